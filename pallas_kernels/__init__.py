@@ -1,0 +1,1 @@
+"""Pallas kernels (installed as kivi_jax.pallas_kernels)."""
