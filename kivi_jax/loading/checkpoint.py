@@ -1,0 +1,106 @@
+"""Converted params saved with orbax-checkpoint, for fast reloads (no dequantization, no parsing).
+
+A saved model is a directory:
+  kivi_model.json   format marker, the LlamaConfig, dtype, tokenizer ids and chat template
+  tokenizer.json    the tokenizer (tokenizers' own format)
+  params/           the weights as an orbax checkpoint of a nested dict of arrays
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from kivi_jax.loading.errors import ModelLoadError
+from kivi_jax.loading.tokenizer import Tokenizer
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
+
+MARKER = "kivi_model.json"
+_FORMAT = "kivi-jax-orbax-v1"
+
+
+def is_saved_model(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _to_tree(params: LlamaParams) -> dict:
+    tree = {
+        "embed": params.embed,
+        "final_norm": params.final_norm,
+        "layers": {
+            f.name: getattr(params.layers, f.name) for f in dataclasses.fields(LayerWeights)
+        },
+    }
+    if params.lm_head is not None:
+        tree["lm_head"] = params.lm_head
+    return tree
+
+
+def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> None:
+    """Writes params + tokenizer to `directory` (created; must not already hold a checkpoint)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, "params"), _to_tree(params))
+    checkpointer.wait_until_finished()
+    tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
+    meta = {
+        "format": _FORMAT,
+        "config": dataclasses.asdict(params.config),
+        "dtype": jnp.dtype(params.dtype).name,
+        "eos_id": tokenizer.eos_id,
+        "bos_id": tokenizer.bos_id,
+        "chat_template": tokenizer.chat_template,
+    }
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def restore_model(directory: str, *, dtype=None):
+    """Reads a directory written by `save_model`. Returns (LlamaParams, Tokenizer)."""
+    import orbax.checkpoint as ocp
+    import tokenizers
+
+    directory = os.path.abspath(directory)
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{directory}: unreadable {MARKER} ({e})") from e
+    if meta.get("format") != _FORMAT:
+        raise ModelLoadError(f"{directory}: unknown saved-model format {meta.get('format')!r}")
+    config = LlamaConfig(**meta["config"])
+    saved_dtype = jnp.dtype(meta["dtype"])
+    from kivi_jax.models.llama import init_params
+
+    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
+    try:
+        tree = ocp.StandardCheckpointer().restore(
+            os.path.join(directory, "params"), _to_tree(abstract)
+        )
+    except Exception as e:
+        raise ModelLoadError(f"{directory}: cannot restore the params checkpoint ({e})") from e
+    params = LlamaParams(
+        embed=tree["embed"],
+        layers=LayerWeights(**tree["layers"]),
+        final_norm=tree["final_norm"],
+        lm_head=tree.get("lm_head"),
+        config=config,
+    )
+    validate_params(params)
+    if dtype is not None and jnp.dtype(dtype) != saved_dtype:
+        params = params.astype(dtype)
+    tokenizer = Tokenizer(
+        backend=tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")),
+        eos_id=meta.get("eos_id"),
+        bos_id=meta.get("bos_id"),
+        chat_template=meta.get("chat_template"),
+    )
+    return params, tokenizer

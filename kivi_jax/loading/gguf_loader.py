@@ -1,0 +1,167 @@
+"""GGUF (llama.cpp) checkpoints: metadata -> LlamaConfig, tensors dequantized -> LlamaParams."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.loading.errors import ModelLoadError
+from kivi_jax.loading.tokenizer import tokenizer_from_gguf_fields
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
+
+_MAGIC = b"GGUF"
+_SUPPORTED_ARCHS = ("llama",)  # SmolLM and Mistral GGUFs are written as "llama"
+
+
+def is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _MAGIC
+    except OSError:
+        return False
+
+
+def _read(path: str):
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"no such GGUF file: {path}")
+    if not is_gguf(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+        fields = {}
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            fields[name] = field.contents()
+        tensors = {t.name: t for t in reader.tensors}
+        # A truncated file can still parse its header: check every tensor's extent.
+        size = os.path.getsize(path)
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise ValueError(f"tensor {t.name} extends past the end of the file")
+    except ModelLoadError:
+        raise
+    except Exception as e:  # the gguf package raises ValueError, IndexError, struct errors...
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})"
+        ) from e
+    return fields, tensors
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _config(fields: dict, path: str) -> LlamaConfig:
+    arch = fields.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (kivi-jax implements {_SUPPORTED_ARCHS})"
+        )
+
+    def get(key, default=None):
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not implemented")
+    if fields.get(f"{arch}.attention.sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention is not implemented")
+    if fields.get(f"{arch}.expert_count"):
+        raise ModelLoadError(f"{path}: mixture-of-experts models are not implemented")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(fields.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path}: key and value head widths differ")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embeddings are not implemented")
+    vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=False,  # decided below from the tensors present
+        max_context=int(get("context_length")),
+    )
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor as float32 numpy in PyTorch layout ([out, in] for a linear layer)."""
+    import gguf
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (convert_hf_to_gguf `permute`), back to the Hugging
+    Face rotate-half layout: rows (head, D/2, 2) -> (head, 2, D/2)."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
+    """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer)."""
+    fields, tensors = _read(path)
+    config = _config(fields, path)
+    tied = "output.weight" not in tensors
+    config = LlamaConfig(**{**config.__dict__, "tie_embeddings": tied})
+
+    def tensor(name) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: missing tensor {name}")
+        return _dequantize(tensors[name])
+
+    names = {
+        "attn_norm": "attn_norm.weight",
+        "wq": "attn_q.weight",
+        "wk": "attn_k.weight",
+        "wv": "attn_v.weight",
+        "wo": "attn_output.weight",
+        "mlp_norm": "ffn_norm.weight",
+        "w_gate": "ffn_gate.weight",
+        "w_up": "ffn_up.weight",
+        "w_down": "ffn_down.weight",
+    }
+    stacked = {}
+    for field, suffix in names.items():
+        per_layer = []
+        for i in range(config.num_layers):
+            w = tensor(f"blk.{i}.{suffix}")
+            if field == "wq":
+                w = _unpermute(w, config.num_heads)
+            elif field == "wk":
+                w = _unpermute(w, config.num_kv_heads)
+            per_layer.append(w if w.ndim == 1 else w.T)  # linear layers to [in, out]
+        stacked[field] = jnp.asarray(np.stack(per_layer), dtype)
+        if progress:
+            progress(f"{field}")
+    if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
+        raise ModelLoadError(f"{path}: attention biases are not implemented")
+    params = LlamaParams(
+        embed=jnp.asarray(tensor("token_embd.weight"), dtype),
+        layers=LayerWeights(**stacked),
+        final_norm=jnp.asarray(tensor("output_norm.weight"), dtype),
+        lm_head=None if tied else jnp.asarray(tensor("output.weight").T, dtype),
+        config=config,
+    )
+    try:
+        validate_params(params)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return params, tokenizer_from_gguf_fields(fields)

@@ -1,0 +1,172 @@
+"""Hugging Face-style directories: config.json + *.safetensors + tokenizer.json.
+
+Llama, Mistral and SmolLM-family checkpoints (model_type "llama" or "mistral"). Features the model
+does not implement are refused with a clear error rather than giving silently wrong logits.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.loading.errors import ModelLoadError
+from kivi_jax.loading.tokenizer import Tokenizer
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
+
+_SUPPORTED_TYPES = ("llama", "mistral")
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
+    """Maps a transformers config dict to LlamaConfig, refusing what the model does not do."""
+    model_type = cfg.get("model_type")
+    if model_type not in _SUPPORTED_TYPES:
+        raise ModelLoadError(
+            f"{where}: unsupported model_type {model_type!r} (supported: {_SUPPORTED_TYPES})"
+        )
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ModelLoadError(f"{where}: rope_scaling {scaling} is not implemented")
+    positions = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", True) and window < positions:
+        raise ModelLoadError(
+            f"{where}: sliding-window attention (window {window} < context {positions}) "
+            "is not implemented"
+        )
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{where}: attention/MLP biases are not implemented")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not implemented (only silu)")
+    if cfg.get("pretraining_tp", 1) != 1:
+        raise ModelLoadError(f"{where}: pretraining_tp != 1 is not implemented")
+    heads = int(cfg["num_attention_heads"])
+    return LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_context=positions,
+    )
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files (PyTorch .bin is not supported)")
+    out = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="flax") as f:  # flax keeps bfloat16 (numpy cannot)
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from e
+    return out
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _tokenizer(path: str, cfg: dict) -> Tokenizer:
+    import tokenizers
+
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ModelLoadError(f"{path}: no tokenizer.json")
+    backend = tokenizers.Tokenizer.from_file(file)
+    tok_cfg = {}
+    if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tok_cfg = json.load(f)
+
+    def token_id(key):
+        token = tok_cfg.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    template = tok_cfg.get("chat_template")
+    if template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja")) as f:
+            template = f.read()
+    return Tokenizer(
+        backend=backend,
+        eos_id=_first(token_id("eos_token"), eos),
+        bos_id=_first(token_id("bos_token"), cfg.get("bos_token_id")),
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
+    """Loads a Hugging Face Llama/Mistral directory. Returns (LlamaParams, Tokenizer)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}/config.json: unreadable ({e})") from e
+    config = config_from_hf(cfg, f"{path}/config.json")
+    tensors = _tensors(path)
+    prefix = "model." if "model.embed_tokens.weight" in tensors else ""
+
+    def get(name) -> np.ndarray:
+        key = prefix + name
+        if key not in tensors:
+            raise ModelLoadError(f"{path}: missing tensor {key}")
+        return tensors[key]
+
+    names = {
+        "attn_norm": "input_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "wo": "self_attn.o_proj.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "w_gate": "mlp.gate_proj.weight",
+        "w_up": "mlp.up_proj.weight",
+        "w_down": "mlp.down_proj.weight",
+    }
+    stacked = {}
+    for field, suffix in names.items():
+        per_layer = [get(f"layers.{i}.{suffix}") for i in range(config.num_layers)]
+        per_layer = [w if w.ndim == 1 else w.T for w in per_layer]  # linear layers to [in, out]
+        stacked[field] = jnp.stack([jnp.asarray(w, dtype) for w in per_layer])
+        if progress:
+            progress(field)
+    lm_head = None
+    if not config.tie_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise ModelLoadError(f"{path}: missing lm_head.weight (and tie_word_embeddings=false)")
+        lm_head = jnp.asarray(tensors["lm_head.weight"], dtype).T
+    params = LlamaParams(
+        embed=jnp.asarray(get("embed_tokens.weight"), dtype),
+        layers=LayerWeights(**stacked),
+        final_norm=jnp.asarray(get("norm.weight"), dtype),
+        lm_head=lm_head,
+        config=config,
+    )
+    try:
+        validate_params(params)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return params, _tokenizer(path, cfg)

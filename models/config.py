@@ -1,0 +1,63 @@
+"""Static configuration of a Llama-family decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama/Mistral/SmolLM decoder (hashable: used as a static jit arg).
+
+    Attributes:
+      vocab_size: rows of the embedding table.
+      hidden_size: model width d.
+      intermediate_size: SwiGLU width F.
+      num_layers: decoder blocks L.
+      num_heads: query heads Hq.
+      num_kv_heads: key/value heads H (Hq % H == 0; H == Hq is plain multi-head attention).
+      head_dim: D, per-head width (usually hidden_size // num_heads).
+      rope_theta: RoPE base frequency of the checkpoint.
+      rms_eps: RMSNorm epsilon.
+      tie_embeddings: the output projection is the transposed embedding table.
+      max_context: longest sequence (prompt + generated) the checkpoint was trained for.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_context: int = 2048
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_context",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def num_rep(self) -> int:
+        """Query heads per KV head (the GQA ratio)."""
+        return self.num_heads // self.num_kv_heads

