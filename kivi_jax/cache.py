@@ -325,6 +325,12 @@ def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cach
                 f"cache capacity exceeded: max_len={cache.max_len}, but rows {bad.tolist()} "
                 f"would hold {new[bad].tolist()} tokens"
             )
+    return _extend_jit(cache, k, v, counts)
+
+
+@jax.jit
+def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
+    old = cache.lengths
     fits = jnp.minimum(counts, cache.max_len - old)
     overflow = cache.overflow | (fits < counts)
     new = old + fits

@@ -92,9 +92,11 @@ CONFIGS = [
 )
 def test_prefill_then_appends_equals_one_prefill(cfg, n, m, dtype, seed):
     rng = np.random.default_rng(seed)
-    k, v = random_kv(rng, 2, n + m, 2, 8, dtype)
-    whole = kj.prefill(_cache(cfg, batch=2, heads=2, dtype=dtype), k, v)
-    stepped = kj.prefill(_cache(cfg, batch=2, heads=2, dtype=dtype), k[:, :n], v[:, :n])
+    # One padded shape for every example (fewer compilations); `lengths` marks the real tokens.
+    k, v = random_kv(rng, 2, 50, 2, 8, dtype)
+    fresh = _cache(cfg, batch=2, heads=2, dtype=dtype)
+    whole = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n + m))
+    stepped = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n))
     for t in range(n, n + m):
         stepped = kj.append(stepped, k[:, t], v[:, t])
     assert tree_equal(whole, stepped)
@@ -108,11 +110,12 @@ def test_prefill_then_appends_equals_one_prefill(cfg, n, m, dtype, seed):
 )
 def test_chunked_prefill_equals_one_prefill(cfg, chunks, seed):
     rng = np.random.default_rng(seed)
-    k, v = random_kv(rng, 1, sum(chunks), 1, 8)
-    whole = kj.prefill(_cache(cfg), k, v)
+    k, v = random_kv(rng, 1, 4 * 13, 1, 8)
+    whole = kj.prefill(_cache(cfg), k, v, lengths=jnp.array([sum(chunks)]))
     chunked, start = _cache(cfg), 0
-    for n in chunks:
-        chunked = kj.prefill(chunked, k[:, start : start + n], v[:, start : start + n])
+    for n in chunks:  # each chunk padded to 13 positions, n of them real
+        chunk = slice(start, start + 13)
+        chunked = kj.prefill(chunked, k[:, chunk], v[:, chunk], lengths=jnp.array([n]))
         start += n
     assert tree_equal(whole, chunked)
 
