@@ -1,17 +1,58 @@
-"""kivi-jax: KIVI 2-bit KV-cache quantization for JAX, with a Llama model to run it on."""
+"""kivi-jax: KIVI 2-bit asymmetric KV-cache quantization for JAX.
 
+The KV state (kivi_jax.cache) is a pytree passed into and returned from pure functions:
+
+    cache = kivi_jax.init_cache(kivi_jax.KiviConfig(), batch=1, max_len=4096,
+                                num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+    cache = kivi_jax.prefill(cache, k, v)          # k, v [batch, seq, kv_heads, head_dim]
+    cache = kivi_jax.append(cache, k_t, v_t)       # k_t, v_t [batch, kv_heads, head_dim]
+    out = kivi_jax.decode_attention(q_t, cache)    # q_t [batch, q_heads, head_dim]
+"""
+
+from kivi_jax.attention import decode_attention, decode_attention_reference
+from kivi_jax.cache import (
+    FullCache,
+    KiviCache,
+    append,
+    dequantize,
+    init_cache,
+    layer,
+    prefill,
+)
+from kivi_jax.config import KIVI2, KIVI4, KiviConfig
 from kivi_jax.loading import Model, ModelLoadError, Tokenizer, load_model, save_model
+from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
+from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
 
 __all__ = [
+    "KIVI2",
+    "KIVI4",
+    "FullCache",
+    "HeldBits",
+    "KiviCache",
+    "KiviConfig",
     "LlamaConfig",
     "LlamaParams",
+    "MemoryReport",
     "Model",
     "ModelLoadError",
     "Tokenizer",
+    "append",
+    "decode_attention",
+    "decode_attention_reference",
+    "dequantize",
+    "fake_quantize",
     "forward",
+    "held_bits",
+    "init_cache",
     "init_params",
+    "layer",
     "load_model",
+    "memory_report",
+    "pack_codes",
+    "prefill",
     "save_model",
+    "unpack_codes",
 ]
