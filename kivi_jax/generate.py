@@ -1,0 +1,393 @@
+"""Autoregressive generation with the KV state threaded through a jit-compiled decode loop.
+
+    tokens -> prefill (full-precision attention over the prompt, then kivi_jax.prefill of every
+    layer's K/V) -> first token -> lax.while_loop of decode steps (kivi_jax.append +
+    kivi_jax.decode_attention in every layer) -> sampled tokens
+
+`generate` runs all of it in one jit with the cache buffers donated. `TokenStream` runs the same
+two jitted pieces (prefill, one decode step) from Python so a CLI can print tokens as they come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.cache import init_cache
+from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.memory import memory_report
+from kivi_jax.models import llama
+from kivi_jax.models.llama import LlamaParams
+
+KV_PRESETS: dict[str, KiviConfig | None] = {"full": None, "kivi2": KIVI2, "kivi4": KIVI4}
+
+
+def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
+    """'full' -> None (the unquantized cache), 'kivi2'/'kivi4' -> presets, a KiviConfig as is."""
+    if isinstance(kv, KiviConfig):
+        return kv
+    if isinstance(kv, str) and kv in KV_PRESETS:
+        return KV_PRESETS[kv]
+    raise ValueError(f"unknown kv {kv!r}: use one of {sorted(KV_PRESETS)} or a KiviConfig")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How the next token is chosen (static under jit). temperature 0 is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+
+    @property
+    def pad_id(self) -> int:
+        return 0 if self.eos_id is None else self.eos_id
+
+
+def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """logits float32 [B, V] -> int32 [B]: argmax, or temperature / top-k / top-p sampling."""
+    if s.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.top_p is not None and s.top_p < 1:
+        desc = -jnp.sort(-logits, axis=-1)  # [B, V] largest first
+        probs = jax.nn.softmax(desc, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class SamplingState:
+    """The carry of the decode loop."""
+
+    step: jax.Array  # int32 []: column of `generated` written next
+    generated: jax.Array  # int32 [B, N], pad_id where nothing was generated
+    positions: jax.Array  # int32 [B]: position of the last generated token (= tokens in cache)
+    done: jax.Array  # bool [B]: the sequence has produced its EOS
+    cache: object  # the KV state, leading layer axis
+    key: jax.Array  # PRNG key
+
+
+def _start(params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling):
+    """Prefill + the first token: the state before the first decode step."""
+    logits, cache = llama.prefill(params, tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, sampling)
+    B = tokens.shape[0]
+    generated = jnp.full((B, max_new_tokens), sampling.pad_id, jnp.int32).at[:, 0].set(first)
+    done = first == sampling.eos_id if sampling.eos_id is not None else jnp.zeros(B, bool)
+    return SamplingState(
+        step=jnp.int32(1), generated=generated, positions=lengths, done=done, cache=cache, key=key
+    )
+
+
+def _step(params, state: SamplingState, *, sampling: Sampling) -> SamplingState:
+    """Feeds each live sequence its last token, samples the next; finished rows stay padded."""
+    last = jax.lax.dynamic_index_in_dim(state.generated, state.step - 1, axis=1, keepdims=False)
+    live = ~state.done
+    logits, cache = llama.decode_step(params, last, state.positions, state.cache, active=live)
+    key, sub = jax.random.split(state.key)
+    nxt = jnp.where(live, sample(logits, sub, sampling), sampling.pad_id)
+    generated = jax.lax.dynamic_update_index_in_dim(state.generated, nxt, state.step, axis=1)
+    done = state.done | (nxt == sampling.eos_id) if sampling.eos_id is not None else state.done
+    return SamplingState(
+        step=state.step + 1,
+        generated=generated,
+        positions=state.positions + live.astype(jnp.int32),
+        done=done,
+        cache=cache,
+        key=key,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
+)
+def _generate(params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling):
+    state = _start(
+        params, tokens, lengths, cache, key, max_new_tokens=max_new_tokens, sampling=sampling
+    )
+
+    def cond(s: SamplingState):
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    state = jax.lax.while_loop(cond, functools.partial(_step, params, sampling=sampling), state)
+    # Returning the cache lets XLA alias it to the donated input: the loop updates it in place.
+    return state.generated, state.cache
+
+
+_start_jit = jax.jit(
+    _start, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
+)
+_step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
+
+
+def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, sampling: Sampling):
+    """Checks every input before anything runs; returns (tokens, lengths, empty cache)."""
+    if not isinstance(params, LlamaParams):
+        raise TypeError(f"params must be LlamaParams (model.params), got {type(params).__name__}")
+    c = params.config
+    kv_config = resolve_kv(kv)
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+            f"tokens must be a non-empty integer array [batch, seq], got {tokens.dtype} "
+            f"{list(tokens.shape)}"
+        )
+    B, S = tokens.shape
+    if lengths is None:
+        lengths = np.full((B,), S, np.int32)
+    else:
+        lengths = np.asarray(lengths)
+        if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(
+                f"lengths must be {B} integers, got {lengths.dtype}{list(lengths.shape)}"
+            )
+        if np.any((lengths < 1) | (lengths > S)):
+            raise ValueError(f"lengths must lie in [1, {S}] (the padded width), got {lengths}")
+    real = np.arange(S)[None] < lengths[:, None]  # [B, S], padding excluded from the vocab check
+    bad = real & ((tokens < 0) | (tokens >= c.vocab_size))
+    if bad.any():
+        b, t = np.argwhere(bad)[0]
+        raise ValueError(
+            f"token id {tokens[b, t]} at [{b}, {t}] is outside the vocabulary [0, {c.vocab_size})"
+        )
+    if sampling.eos_id is not None and not 0 <= sampling.eos_id < c.vocab_size:
+        raise ValueError(f"eos_id {sampling.eos_id} is outside the vocabulary [0, {c.vocab_size})")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > c.max_context:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{longest + max_new_tokens} exceeds the model's context of {c.max_context} tokens"
+        )
+    # The cache holds the padded prompt and every generated token but the last (never fed back).
+    cache = init_cache(
+        kv_config,
+        batch=B,
+        max_len=S + max_new_tokens,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=params.dtype,
+        num_layers=c.num_layers,
+    )
+    tokens = np.where(real, tokens, 0).astype(np.int32)
+    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache
+
+
+def generate(
+    params: LlamaParams,
+    tokens,
+    *,
+    kv: str | KiviConfig = "kivi2",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    lengths=None,
+) -> jax.Array:
+    """Generates `max_new_tokens` tokens after each prompt.
+
+    Args:
+      params: model weights (their static config gives shapes, context and vocabulary).
+      tokens: int [batch, seq] prompts; with `lengths`, right-padded.
+      kv: "full" (unquantized cache in the params dtype), "kivi2", "kivi4" or a KiviConfig.
+      max_new_tokens: N, tokens generated per sequence (prompt + N must fit the context).
+      temperature, top_k, top_p: sampling (temperature 0: greedy).
+      seed: PRNG seed for sampling.
+      eos_id: a sequence stops after producing it; its later positions are eos_id.
+      lengths: int [batch] real prompt lengths (default: all `seq`).
+
+    Returns:
+      int32 [batch, max_new_tokens].
+
+    Raises:
+      ValueError: unknown kv, tokens outside the vocabulary, prompt + max_new_tokens beyond the
+        model's context, malformed lengths; all before anything is compiled or run.
+    """
+    sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
+    tokens, lengths, cache = _prepare(
+        params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling
+    )
+    generated, _ = _generate(
+        params,
+        tokens,
+        lengths,
+        cache,
+        jax.random.key(seed),
+        max_new_tokens=int(max_new_tokens),
+        sampling=sampling,
+    )
+    return generated
+
+
+@dataclasses.dataclass
+class StreamStats:
+    """Timings of a TokenStream (seconds; compile time kept apart from run time)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    compile_s: float = 0.0
+    prefill_s: float = 0.0  # prefill + the first token
+    decode_s: float = 0.0  # every later token
+    kv_bytes: int = 0
+    kv_full_bytes: int = 0  # the same capacity as an unquantized cache in the params dtype
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if self.decode_s and steps > 0 else float("nan")
+
+
+class TokenStream:
+    """Generation driven from Python, one jitted decode step at a time, for streaming output.
+
+    Runs the same prefill and decode-step functions as `generate` (which fuses them in one
+    while_loop). Iterating yields int32 numpy [batch] per step; finished rows yield eos_id.
+    Single-prompt use: `for tok in TokenStream(params, [ids], kv="kivi2", eos_id=eos): ...`
+    """
+
+    def __init__(
+        self,
+        params: LlamaParams,
+        tokens,
+        *,
+        kv: str | KiviConfig = "kivi2",
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_id: int | None = None,
+        lengths=None,
+    ):
+        self.params = params
+        self.sampling = Sampling(
+            temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id
+        )
+        self.max_new_tokens = int(max_new_tokens)
+        self.tokens, self.lengths, cache = _prepare(
+            params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling
+        )
+        report = memory_report(cache)
+        self.stats = StreamStats(
+            prompt_tokens=int(np.asarray(self.lengths).sum()),
+            kv_bytes=report.total_bytes,
+            kv_full_bytes=report.full_precision_bytes,
+        )
+        t0 = time.perf_counter()
+        key = jax.random.key(seed)
+        self._start = _start_jit.lower(
+            params,
+            self.tokens,
+            self.lengths,
+            cache,
+            key,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+        ).compile()
+        state_shape = jax.eval_shape(
+            functools.partial(_start, max_new_tokens=self.max_new_tokens, sampling=self.sampling),
+            params,
+            self.tokens,
+            self.lengths,
+            cache,
+            key,
+        )
+        self._step = _step_jit.lower(params, state_shape, sampling=self.sampling).compile()
+        self.stats.compile_s = time.perf_counter() - t0
+        self._cache, self._key = cache, key
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        t0 = time.perf_counter()
+        state = self._start(self.params, self.tokens, self.lengths, self._cache, self._key)
+        self._cache = None  # donated
+        first = np.asarray(state.generated[:, 0])
+        self.stats.prefill_s = time.perf_counter() - t0
+        self.stats.generated_tokens = 1
+        yield first
+        t0 = time.perf_counter()
+        done = np.asarray(state.done)
+        for _ in range(1, self.max_new_tokens):
+            if done.all():
+                break
+            state = self._step(self.params, state)
+            step = int(state.step) - 1
+            out = np.asarray(state.generated[:, step])
+            done = np.asarray(state.done)
+            self.stats.generated_tokens += 1
+            self.stats.decode_s = time.perf_counter() - t0
+            yield out
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
+    """Prompt text -> ids, through the model's chat template when `chat` and it has one."""
+    if chat and tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return ids
+
+
+def truncate_at_eos(ids: Sequence[int], eos_id: int | None) -> list[int]:
+    ids = [int(i) for i in ids]
+    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
+
+
+def generate_text(
+    model,
+    prompt: str,
+    *,
+    kv: str | KiviConfig = "kivi2",
+    max_new_tokens: int = 256,
+    chat: bool = True,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> str:
+    """The model's answer to one prompt, as text (chat template applied when `chat`)."""
+    ids = encode_prompt(model.tokenizer, prompt, chat=chat)
+    eos = model.tokenizer.eos_id
+    out = generate(
+        model.params,
+        [ids],
+        kv=kv,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_id=eos,
+    )
+    return model.tokenizer.decode(truncate_at_eos(np.asarray(out[0]), eos))

@@ -1,0 +1,189 @@
+"""generate(): the jitted decode loop over the full-precision and KIVI caches, on a tiny model.
+
+The tiny model has untied embeddings: with random tied embeddings greedy decoding just repeats a
+token, which would make token-equality checks vacuous.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_model import tiny_params, write_gguf
+
+import kivi_jax
+from kivi_jax.config import KiviConfig
+from kivi_jax.generate import TokenStream, _generate, generate, generate_text
+
+N = 12  # new tokens per test
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params(seed=0, tie_embeddings=False)  # context 256, vocab 264
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 260, size=n).astype(np.int32)
+
+
+def greedy_by_forward(params, ids, n):
+    """The no-cache reference: re-run the whole sequence through forward() for every token (in a
+    fixed-width buffer, so forward compiles once; causality makes the trailing zeros harmless)."""
+    seq = np.zeros((1, len(ids) + n), np.int32)
+    seq[0, : len(ids)] = ids
+    for t in range(len(ids), len(ids) + n):
+        seq[0, t] = int(np.asarray(kivi_jax.forward(params, jnp.asarray(seq)))[0, t - 1].argmax())
+    return seq[0, len(ids) :].tolist()
+
+
+def test_full_cache_greedy_equals_recomputing_the_sequence(params):
+    ids = prompt(21)
+    out = generate(params, ids[None], kv="full", max_new_tokens=N)
+    assert out.shape == (1, N) and out.dtype == jnp.int32
+    assert np.asarray(out[0]).tolist() == greedy_by_forward(params, ids, N)
+    assert len(set(np.asarray(out[0]).tolist())) > 3  # the check is not vacuous
+
+
+def test_kivi_cache_whose_residual_covers_everything_equals_full(params):
+    """With R >= prompt + new tokens nothing is ever quantized: KIVI must give the same tokens."""
+    ids = prompt(40, seed=1)
+    full = generate(params, ids[None], kv="full", max_new_tokens=N)
+    kivi = generate(
+        params, ids[None], kv=KiviConfig(group_size=32, residual_length=64), max_new_tokens=N
+    )
+    np.testing.assert_array_equal(kivi, full)
+
+
+@pytest.mark.parametrize(
+    "kv", ["kivi2", "kivi4", KiviConfig(k_bits=2, v_bits=4, residual_length=32)]
+)
+def test_quantized_caches_run_past_the_residual(params, kv):
+    """A 150-token prompt with R = 128 (or 32) quantizes keys and values during prefill and decode.
+    The first token comes from full-precision prefill attention, so it matches the full cache."""
+    ids = prompt(150, seed=2)
+    full = np.asarray(generate(params, ids[None], kv="full", max_new_tokens=N))
+    out = np.asarray(generate(params, ids[None], kv=kv, max_new_tokens=N))
+    assert out.shape == (1, N) and ((0 <= out) & (out < params.config.vocab_size)).all()
+    assert out[0, 0] == full[0, 0]
+
+
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_prompt_in_a_ragged_batch_yields_the_same_tokens_as_alone(params, kv):
+    long, short = prompt(150, seed=3), prompt(37, seed=4)
+    batch = np.zeros((2, 150), np.int32)
+    batch[0], batch[1, :37] = long, short
+    batch[1, 37:] = 999_999  # padding is never read (not even checked against the vocabulary)
+    out = generate(params, batch, kv=kv, max_new_tokens=N, lengths=[150, 37])
+    np.testing.assert_array_equal(out[0], generate(params, long[None], kv=kv, max_new_tokens=N)[0])
+    np.testing.assert_array_equal(out[1], generate(params, short[None], kv=kv, max_new_tokens=N)[0])
+
+
+def test_each_sequence_stops_at_its_eos_and_is_padded_with_it(params):
+    a, b = prompt(30, seed=5), prompt(30, seed=6)
+    free = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=N))
+    eos = int(free[0, 3])  # row 0 produces this token at step 3
+    assert eos not in free[0, :3]
+    out = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=N, eos_id=eos))
+    np.testing.assert_array_equal(out[0, :4], free[0, :4])
+    assert (out[0, 4:] == eos).all()
+    stop = list(free[1]).index(eos) + 1 if eos in free[1] else N
+    np.testing.assert_array_equal(out[1, :stop], free[1, :stop])  # row 1 unaffected by row 0
+    assert (out[1, stop:] == eos).all()
+
+
+def test_sampling_is_seeded_and_top_k_1_or_tiny_top_p_is_greedy(params):
+    ids = prompt(20, seed=7)[None]
+    greedy = generate(params, ids, kv="full", max_new_tokens=N)
+    hot = dict(kv="full", max_new_tokens=N, temperature=1.5)
+    s1, s1_again, s2 = (generate(params, ids, **hot, seed=s) for s in (1, 1, 2))
+    np.testing.assert_array_equal(s1, s1_again)
+    assert not np.array_equal(s1, s2)
+    np.testing.assert_array_equal(generate(params, ids, **hot, top_k=1, seed=3), greedy)
+    np.testing.assert_array_equal(generate(params, ids, **hot, top_p=1e-6, seed=3), greedy)
+
+
+def test_bfloat16_params_generate_with_a_bfloat16_cache(params):
+    ids = prompt(20, seed=8)[None]
+    out = generate(params.astype(jnp.bfloat16), ids, kv="kivi2", max_new_tokens=N)
+    assert out.shape == (1, N)
+
+
+def test_the_decode_loop_is_one_while_loop_in_one_jit(params):
+    from kivi_jax.generate import Sampling, _prepare
+
+    sampling = Sampling()
+    tokens, lengths, cache = _prepare(
+        params, prompt(20)[None], None, kv="kivi2", max_new_tokens=N, sampling=sampling
+    )
+    hlo = _generate.lower(
+        params, tokens, lengths, cache, jax.random.key(0), max_new_tokens=N, sampling=sampling
+    ).as_text()
+    assert hlo.count("stablehlo.while") >= 1
+    # the donated cache is aliased to an output, so the loop updates it in place
+    assert "tf.aliasing_output" in hlo
+
+
+def test_token_stream_yields_what_generate_returns(params):
+    ids = prompt(25, seed=9)
+    stream = TokenStream(params, ids[None], kv="kivi2", max_new_tokens=N)
+    streamed = [int(t[0]) for t in stream]
+    np.testing.assert_array_equal(
+        streamed, generate(params, ids[None], kv="kivi2", max_new_tokens=N)[0]
+    )
+    s = stream.stats
+    assert (s.prompt_tokens, s.generated_tokens) == (25, N)
+    assert s.prefill_s > 0 and s.decode_s > 0 and s.compile_s > 0
+    # 37 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
+    # unquantized cache of this capacity (the residual is a fixed cost that long contexts repay)
+    assert s.kv_bytes > s.kv_full_bytes > 0
+
+
+def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, params):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params)
+    model = kivi_jax.load_model(path, dtype=jnp.float32)
+    text = generate_text(model, "the theme", kv="kivi2", max_new_tokens=8)
+    assert isinstance(text, str)
+    raw = generate_text(model, "the theme", kv="kivi2", max_new_tokens=8, chat=False)
+    assert isinstance(raw, str)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=250), r"prompt \(10 tokens\) \+ max_new_tokens \(250\) = 260 exceeds"),
+        (dict(kv="kivi3"), "unknown kv 'kivi3'"),
+        (dict(kv=None), "unknown kv None"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+        (dict(lengths=[11]), r"lengths must lie in \[1, 10\]"),
+        (dict(lengths=[0]), r"lengths must lie in \[1, 10\]"),
+        (dict(lengths=[3, 4]), "lengths must be 1 integers"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_k=0), "top_k must be a positive int"),
+        (dict(eos_id=10_000), "eos_id 10000 is outside the vocabulary"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_runs(params, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(params, prompt(10)[None], **{"max_new_tokens": N, **kwargs})
+
+
+@pytest.mark.parametrize("bad", [-1, 264, 10**6])
+def test_tokens_outside_the_vocabulary(params, bad):
+    ids = prompt(10)
+    ids[4] = bad
+    with pytest.raises(ValueError, match=rf"token id {bad} at \[0, 4\] is outside the vocabulary"):
+        generate(params, ids[None], max_new_tokens=N)
+
+
+def test_tokens_must_be_a_2d_integer_array(params):
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        generate(params, prompt(10), max_new_tokens=N)
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        generate(params, np.zeros((1, 5), np.float32), max_new_tokens=N)
