@@ -250,18 +250,23 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
     c = params.config
     B = tokens.shape[0]
 
+    # The stacked cache is only read inside the scan (xs) and each layer's new K/V leave it as
+    # small ys; the appends to the stacked cache happen after the scan, where they update the
+    # (donated) buffers in place. Threading the cache through the scan as ys instead would copy
+    # the whole cache every step (CPU, float32, 2k context, full cache: 184 -> 64 ms per step).
     def body(h, xs):
         lw, layer_cache = xs
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
-        layer_cache = cache_append(layer_cache, k, v, active=active)
-        attn = decode_attention(q, layer_cache)  # [B, N, D], includes this token
+        updated = cache_append(layer_cache, k, v, active=active)  # this layer's view only
+        attn = decode_attention(q, updated)  # [B, N, D], includes this token
         h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
         h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
-        return h, layer_cache
+        return h, (k, v)
 
-    h, cache = jax.lax.scan(body, _embed(params, tokens), (params.layers, cache))
-    return _logits(params, h), cache
+    h, (k, v) = jax.lax.scan(body, _embed(params, tokens), (params.layers, cache))
+    append_all = jax.vmap(lambda lc, lk, lv: cache_append(lc, lk, lv, active=active))
+    return _logits(params, h), append_all(cache, k, v)
 
 
 def param_bytes(params: LlamaParams) -> int:
