@@ -117,6 +117,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
     """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer)."""
+    if progress:
+        progress("reading the GGUF file")
     fields, tensors = _read(path)
     config = _config(fields, path)
     tied = "output.weight" not in tensors
@@ -139,7 +141,7 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
         "w_down": "ffn_down.weight",
     }
     stacked = {}
-    for field, suffix in names.items():
+    for step, (field, suffix) in enumerate(names.items(), 1):
         per_layer = []
         for i in range(config.num_layers):
             w = tensor(f"blk.{i}.{suffix}")
@@ -150,7 +152,7 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
             per_layer.append(w if w.ndim == 1 else w.T)  # linear layers to [in, out]
         stacked[field] = jnp.asarray(np.stack(per_layer), dtype)
         if progress:
-            progress(f"{field}")
+            progress(f"{step}/{len(names)} stacked weights ({field})")
     if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
         raise ModelLoadError(f"{path}: attention biases are not implemented")
     params = LlamaParams(

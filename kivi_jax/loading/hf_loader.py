@@ -147,12 +147,12 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         "w_down": "mlp.down_proj.weight",
     }
     stacked = {}
-    for field, suffix in names.items():
+    for step, (field, suffix) in enumerate(names.items(), 1):
         per_layer = [get(f"layers.{i}.{suffix}") for i in range(config.num_layers)]
         per_layer = [w if w.ndim == 1 else w.T for w in per_layer]  # linear layers to [in, out]
         stacked[field] = jnp.stack([jnp.asarray(w, dtype) for w in per_layer])
         if progress:
-            progress(field)
+            progress(f"{step}/{len(names)} stacked weights ({field})")
     lm_head = None
     if not config.tie_embeddings:
         if "lm_head.weight" not in tensors:
