@@ -27,6 +27,7 @@ from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
 
 KV_PRESETS: dict[str, KiviConfig | None] = {"full": None, "kivi2": KIVI2, "kivi4": KIVI4}
+PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer recompilations)
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
@@ -184,17 +185,20 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
             f"{longest + max_new_tokens} exceeds the model's context of {c.max_context} tokens"
         )
-    # The cache holds the padded prompt and every generated token but the last (never fed back).
+    # Prompts are right-padded to a multiple of PROMPT_BUCKET so that prompts of similar lengths
+    # share one compiled program (padding is masked and never enters the cache).
+    width = -(-S // PROMPT_BUCKET) * PROMPT_BUCKET
+    tokens = np.pad(np.where(real, tokens, 0), ((0, 0), (0, width - S))).astype(np.int32)
+    # The cache can hold the padded prompt and every generated token.
     cache = init_cache(
         kv_config,
         batch=B,
-        max_len=S + max_new_tokens,
+        max_len=width + max_new_tokens,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
         dtype=params.dtype,
         num_layers=c.num_layers,
     )
-    tokens = np.where(real, tokens, 0).astype(np.int32)
     return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache
 
 

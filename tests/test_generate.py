@@ -187,3 +187,12 @@ def test_tokens_must_be_a_2d_integer_array(params):
         generate(params, prompt(10), max_new_tokens=N)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         generate(params, np.zeros((1, 5), np.float32), max_new_tokens=N)
+
+
+def test_prompts_of_similar_length_share_one_compiled_loop(params):
+    """Prompt widths are padded up to a multiple of 64: 33 and 50 tokens run the same program."""
+    before = _generate._cache_size()
+    a = generate(params, prompt(33)[None], kv="kivi4", max_new_tokens=5)
+    b = generate(params, prompt(50)[None], kv="kivi4", max_new_tokens=5)
+    assert _generate._cache_size() == before + 1
+    assert a.shape == b.shape == (1, 5)
