@@ -1,0 +1,9 @@
+"""Fused KIVI decode attention kernels (see gpu.py for the algorithm)."""
+
+from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    GpuTuning,
+    kivi_decode_attention_gpu,
+    supported_config_reason,
+)
+
+__all__ = ["GpuTuning", "kivi_decode_attention_gpu", "supported_config_reason"]
