@@ -1,0 +1,387 @@
+"""Decode-attention benchmark on one GPU: the fused KIVI kernel against the best bf16 baselines.
+
+One process, one GPU. For each shape (heads of Llama-2-7B and Llama-3-8B; batch x context) it
+times KIVI-2 and KIVI-4 (the Pallas-Triton kernel, split merge included) and two bf16 baselines
+over the same context: cuDNN through ``jax.nn.dot_product_attention(implementation="cudnn")``
+and a plain XLA einsum. Every timing runs ``calls`` decode steps on different queries (and,
+where one cache would fit in L2, different caches) inside one jit, so dispatch is amortised;
+the median over ``repeats`` such runs is reported per call. In the same run a sum over
+>= 8 GiB measures the HBM read bandwidth that the bytes each method must read are held to.
+
+    python benchmarks/attention.py --out benchmarks/results
+
+writes attention.json, attention.md and attention.png (speed-up against context length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
+
+GROUP, RESIDUAL = 32, 128  # the paper's KIVI settings
+L2_BYTES = 60 * 2**20  # H200; every timed loop touches several times this
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+    model: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.batch}x{self.context // 1024}k"
+
+
+MODELS = {"Llama-2-7B": (32, 32, 128), "Llama-3-8B": (32, 8, 128)}
+BATCH_CONTEXT = [(1, 32768), (8, 32768), (32, 8192), (64, 4096), (1, 131072)]
+SHAPES = [
+    Shape(model=m, q_heads=hq, kv_heads=hk, head_dim=d, batch=b, context=t)
+    for m, (hq, hk, d) in MODELS.items()
+    for b, t in BATCH_CONTEXT
+]
+
+
+def bf16_bytes(s: Shape) -> int:
+    """K and V of the context once, the query read and the output written."""
+    return (
+        2 * s.batch * s.context * s.kv_heads * s.head_dim * 2
+        + 2 * s.batch * s.q_heads * s.head_dim * 2
+    )
+
+
+def kivi_bytes(s: Shape, bits: int) -> int:
+    """What a KIVI step must read with every sequence at full context: codes, 16-bit scales
+    and zero points of the quantized tokens, and the full-precision residual."""
+    length = s.context
+    qk, pv = length - length % RESIDUAL, max(length - RESIDUAL, 0)
+    d = s.head_dim
+    per_head = (
+        qk * d * bits // 8  # key codes
+        + (qk // GROUP) * d * 2 * 2  # key scale + zero
+        + pv * d * bits // 8  # value codes
+        + pv * (d // GROUP) * 2 * 2  # value scale + zero
+        + (length - qk) * d * 2  # key residual
+        + (length - pv) * d * 2  # value residual
+    )
+    return s.batch * s.kv_heads * per_head + 2 * s.batch * s.q_heads * d * 2
+
+
+def _timed(fn, args, *, repeats: int) -> float:
+    """Median seconds of fn(*args) over repeats, after two warm-up runs."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_read_bandwidth(gib: float = 8.0, repeats: int = 10) -> float:
+    """Bytes/s of a sum over a `gib` GiB uint32 array (read once per call)."""
+    n = int(gib * 2**30) // 4
+    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.uint32))
+    sec = _timed(f, (x,), repeats=repeats)
+    del x
+    return n * 4 / sec
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(16, math.ceil(4 * L2_BYTES / nbytes)))
+
+
+def _many_calls(step, qs, states):
+    """One jit running step(q_i, state_{i % copies}) for every query batch q_i."""
+
+    def run(qs, states):
+        outs = [step(qs[i], states[i % len(states)]) for i in range(qs.shape[0])]
+        return jnp.stack(outs)
+
+    return jax.jit(run)
+
+
+def _queries(key, s: Shape, calls: int):
+    return jax.random.normal(key, (calls, s.batch, s.q_heads, s.head_dim), jnp.bfloat16)
+
+
+def bf16_states(key, s: Shape):
+    shape = (s.batch, s.context, s.kv_heads, s.head_dim)  # cuDNN's BTNH layout
+    out = []
+    for i in range(_copies(bf16_bytes(s))):
+        kk, kv = jax.random.split(jax.random.fold_in(key, i))
+        out.append(
+            (jax.random.normal(kk, shape, jnp.bfloat16), jax.random.normal(kv, shape, jnp.bfloat16))
+        )
+    return out
+
+
+def cudnn_step(q, kv):
+    k, v = kv
+    o = jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")
+    return o[:, 0]
+
+
+def xla_step(q, kv):
+    k, v = kv
+    b, hq, d = q.shape
+    h = k.shape[2]
+    qg = q.reshape(b, h, hq // h, d)
+    s = jnp.einsum("bhrd,bthd->bhrt", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhrt,bthd->bhrd", p.astype(k.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def kivi_states(key, s: Shape, bits: int):
+    """Random KIVI states in the cache layout, every sequence at full context."""
+    b, h, c, d, r = s.batch, s.kv_heads, s.context, s.head_dim, RESIDUAL
+    per = 8 // bits
+    out = []
+    for i in range(_copies(kivi_bytes(s, bits))):
+        ks = jax.random.split(jax.random.fold_in(key, i), 8)
+        u = lambda k, shape: jax.random.uniform(k, shape, jnp.float32, 0.0, 0.3).astype(
+            jnp.bfloat16
+        )
+        n = lambda k, shape: jax.random.normal(k, shape, jnp.bfloat16)
+        out.append(
+            dict(
+                k_codes=jax.random.bits(ks[0], (b, h, c // per, d), jnp.uint8),
+                k_scale=u(ks[1], (b, h, c // GROUP, d)),
+                k_zero=n(ks[2], (b, h, c // GROUP, d)),
+                v_codes=jax.random.bits(ks[3], (b, h, c, d // per), jnp.uint8),
+                v_scale=u(ks[4], (b, h, c, d // GROUP)),
+                v_zero=n(ks[5], (b, h, c, d // GROUP)),
+                k_residual=n(ks[6], (b, h, r, d)),
+                v_residual=n(ks[7], (b, h, r, d)),
+                lengths=jnp.full((b,), c, jnp.int32),
+            )
+        )
+    return out
+
+
+def kivi_step(bits: int, tuning: GpuTuning, interpret: bool = False):
+    def step(q, state):
+        return kivi_decode_attention_gpu(
+            q, **state, k_bits=bits, v_bits=bits, group_size=GROUP, residual_length=RESIDUAL,
+            tuning=tuning, interpret=interpret,
+        )  # fmt: skip
+
+    return step
+
+
+def bench_shape(
+    s: Shape, *, calls: int, repeats: int, peak: float, tuning: GpuTuning, interpret: bool = False
+) -> dict:
+    key = jax.random.key(hash(s.name) % 2**31)
+    qs = _queries(key, s, calls)
+    row = {"shape": s.name, **dataclasses.asdict(s), "methods": {}}
+
+    def record(name, nbytes, fn, args):
+        try:
+            sec = _timed(_many_calls(fn, *args), args, repeats=repeats) / calls
+        except Exception as e:  # a baseline that does not run on this shape is reported, not fatal
+            row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return
+        gbs = nbytes / sec / 1e9
+        row["methods"][name] = {
+            "us": sec * 1e6,
+            "bytes": nbytes,
+            "GB_per_s": gbs,
+            "pct_peak": 100 * nbytes / sec / peak,
+            "floor_us": nbytes / peak * 1e6,
+        }
+        print(
+            f"  {name:8s} {sec * 1e6:9.1f} us  {gbs:7.0f} GB/s  {100 * gbs * 1e9 / peak:5.1f}%",
+            flush=True,
+        )
+
+    states = bf16_states(key, s)
+    record("cudnn", bf16_bytes(s), cudnn_step, (qs, states))
+    record("xla", bf16_bytes(s), xla_step, (qs, states))
+    del states
+    for bits in (2, 4):
+        states = kivi_states(key, s, bits)
+        record(f"kivi{bits}", kivi_bytes(s, bits), kivi_step(bits, tuning, interpret), (qs, states))
+        del states
+    base = [m["us"] for k, m in row["methods"].items() if k in ("cudnn", "xla") and "us" in m]
+    if base:
+        row["best_bf16_us"] = min(base)
+        for bits in (2, 4):
+            m = row["methods"].get(f"kivi{bits}", {})
+            if "us" in m:
+                m["speedup"] = row["best_bf16_us"] / m["us"]
+    return row
+
+
+def sweep(shapes, tunings, *, calls, repeats, peak) -> list[dict]:
+    out = []
+    for s in shapes:
+        key = jax.random.key(1)
+        qs = _queries(key, s, calls)
+        states = kivi_states(key, s, 2)
+        for t in tunings:
+            try:
+                fn = _many_calls(kivi_step(2, t), qs, states)
+                sec = _timed(fn, (qs, states), repeats=repeats) / calls
+                rec = {"us": sec * 1e6, "pct_peak": 100 * kivi_bytes(s, 2) / sec / peak}
+            except Exception as e:
+                rec = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            out.append({"shape": s.name, "tuning": dataclasses.asdict(t), **rec})
+            print(f"  sweep {s.name} {t}: {rec}", flush=True)
+        del states
+    return out
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = [
+        f"# Decode attention, {result['device']} (jax {result['jax']})",
+        "",
+        f"HBM read bandwidth measured in this run (sum over {result['peak_gib']} GiB): "
+        f"{result['peak_GBps']:.0f} GB/s. Times are per decode step, median of "
+        f"{result['repeats']} runs of {result['calls']} steps inside one jit. KIVI: G={GROUP}, "
+        f"R={RESIDUAL}, every sequence at full context; bytes = what each method must read.",
+        "",
+        "| shape | method | µs | MB read | GB/s | % of peak | floor µs | speed-up vs best bf16 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        for name, m in row["methods"].items():
+            if "us" not in m:
+                lines.append(f"| {row['shape']} | {name} | failed | | | | | |")
+                continue
+            sp = f"{m['speedup']:.2f}x" if "speedup" in m else ""
+            lines.append(
+                f"| {row['shape']} | {name} | {m['us']:.1f} | {m['bytes'] / 1e6:.1f} | "
+                f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} |"
+            )
+    if result.get("sweep"):
+        lines += [
+            "",
+            "## KIVI-2 tuning sweep",
+            "",
+            "| shape | tuning | µs | % of peak |",
+            "|---|---|---:|---:|",
+        ]
+        for r in result["sweep"]:
+            t = r["tuning"]
+            desc = f"n_groups={t['n_groups']} warps={t['num_warps']} stages={t['num_stages']}"
+            if "us" in r:
+                lines.append(f"| {r['shape']} | {desc} | {r['us']:.1f} | {r['pct_peak']:.1f} |")
+            else:
+                lines.append(f"| {r['shape']} | {desc} | failed | |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for model, color in zip(MODELS, ("tab:blue", "tab:orange"), strict=False):
+        for bits, marker in ((2, "o"), (4, "s")):
+            pts = [
+                (r["context"], r["methods"][f"kivi{bits}"]["speedup"], r["batch"])
+                for r in result["rows"]
+                if r["model"] == model and "speedup" in r["methods"].get(f"kivi{bits}", {})
+            ]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
+                       label=f"{model} KIVI-{bits}")  # fmt: skip
+            for x, y, b in pts:
+                ax.annotate(f"b{b}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("speed-up over the best bf16 kernel")
+    ax.set_title(f"KIVI fused decode attention, {result['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--peak-gib", type=float, default=8.0)
+    p.add_argument("--only", default=None, help="substring of shape names to run")
+    p.add_argument("--sweep", action="store_true", help="also sweep KIVI-2 tunings at 8x32k")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
+    args = p.parse_args(argv)
+    shapes = SHAPES
+    if args.smoke:
+        shapes = [Shape(model="smoke", q_heads=4, kv_heads=2, head_dim=64, batch=2, context=512)]
+        args.calls, args.repeats, args.peak_gib = 2, 2, 1 / 16
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    dev = jax.devices()[0]
+    peak = measure_read_bandwidth(args.peak_gib)
+    print(f"{dev.device_kind}: read bandwidth {peak / 1e9:.0f} GB/s", flush=True)
+    result = {
+        "device": dev.device_kind,
+        "jax": jax.__version__,
+        "peak_GBps": peak / 1e9,
+        "peak_gib": args.peak_gib,
+        "calls": args.calls,
+        "repeats": args.repeats,
+        "group_size": GROUP,
+        "residual_length": RESIDUAL,
+        "tuning": dataclasses.asdict(GpuTuning()),
+        "rows": [],
+    }
+    for s in shapes:
+        if args.only and args.only not in s.name:
+            continue
+        print(s.name, flush=True)
+        result["rows"].append(
+            bench_shape(
+                s,
+                calls=args.calls,
+                repeats=args.repeats,
+                peak=peak,
+                tuning=GpuTuning(),
+                interpret=args.smoke,
+            )
+        )
+        (args.out / "attention.json").write_text(json.dumps(result, indent=1))
+    if args.sweep:
+        tunings = [
+            GpuTuning(n_groups=g, num_warps=w, num_stages=st)
+            for g in (1, 2, 4)
+            for w in (4, 8)
+            for st in (2, 3)
+        ]
+        shapes = [s for s in SHAPES if s.batch == 8 and s.context == 32768]
+        result["sweep"] = sweep(shapes, tunings, calls=args.calls, repeats=7, peak=peak)
+    (args.out / "attention.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, args.out / "attention.md")
+    try:
+        plot(result, args.out / "attention.png")
+    except Exception as e:  # the numbers matter more than the picture
+        print(f"plot failed: {e}", file=sys.stderr)
+    print((args.out / "attention.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
