@@ -202,7 +202,15 @@ def test_kernel_matches_reference_gpu(bits, D, n_rep, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [GpuTuning(n_groups=1), GpuTuning(n_groups=4, num_warps=8)])
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        GpuTuning(n_groups=1),
+        GpuTuning(n_groups=4, num_warps=8),
+        GpuTuning(k_mode="dequant", v_mode="dequant"),
+        GpuTuning(v_mode="lazy"),
+    ],
+)
 def test_kernel_tunings_gpu(tuning):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
@@ -210,4 +218,19 @@ def test_kernel_tunings_gpu(tuning):
     _check(
         rng, B=3, H=8, n_rep=4, D=128, C=4096, R=128, k_bits=2, v_bits=2,
         lengths=[4096, 3001, 129], dtype=jnp.bfloat16, interpret=False, tuning=tuning,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        GpuTuning(k_mode="dequant", v_mode="dequant", num_splits=2),
+        GpuTuning(v_mode="lazy", n_groups=4, num_splits=2),
+    ],
+)
+def test_kernel_variants_interpret(tuning):
+    rng = np.random.default_rng(5)
+    _check(
+        rng, B=3, H=2, n_rep=3, D=64, C=384, R=64, k_bits=2, v_bits=4,
+        lengths=[384, 0, 250], dtype=jnp.bfloat16, interpret=True, tuning=tuning,
     )  # fmt: skip

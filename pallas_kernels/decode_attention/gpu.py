@@ -82,6 +82,8 @@ class GpuTuning:
     target_programs: int = 4 * 132
     num_warps: int = 4
     num_stages: int = 2
+    k_mode: str = "fold"  # "fold": key scale into the query; "dequant": per value
+    v_mode: str = "fold"  # "fold" / "lazy" (zero-point sums deferred) / "dequant": per value
 
 
 def supported_config_reason(
@@ -165,6 +167,9 @@ def _kernel(
     n_groups: int,
     blocks_per_split: int,
     dtype,
+    k_mode: str,
+    v_mode: str,
+    ablate: str,
 ):
     G, R = group_size, residual_length
     kpb, vpb = 8 // k_bits, 8 // v_bits
@@ -197,37 +202,65 @@ def _kernel(
         acc = tuple(a * alpha[:, None] + c for a, c in zip(acc, contrib, strict=True))
         return m_new, l_new, acc
 
+    lazy = v_mode == "lazy"
+
     def fast_body(blk, carry):
         t0 = blk * block_t
         scores = []
         for i in range(n_groups):
             tg = t0 + i * G  # first token of this key group (a multiple of G)
             g = tg // G
+            if ablate == "no_keys":
+                scores.append(jnp.zeros((block_h, G), jnp.float32))
+                continue
             codes = _unpack_rows(kc_ref[pl.ds(tg // kpb, G // kpb), :], k_bits)  # [G, D]
-            k_op = _as_magic_float(codes, dtype)  # magic + c
             s = ks_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, D]
             z = kz_ref[pl.ds(g, 1), :].astype(jnp.float32)
-            qs = (q * s).astype(dtype)  # key scale folded into the query
-            bias = jnp.sum(q * z, axis=1) - magic * jnp.sum(qs.astype(jnp.float32), axis=1)
-            scores.append(_dot(qs, k_op) + bias[:, None])  # [block_h, G]
+            if k_mode == "fold":
+                k_op = _as_magic_float(codes, dtype)  # magic + c
+                qs = (q * s).astype(dtype)  # key scale folded into the query
+                bias = jnp.sum(q * z, axis=1) - magic * jnp.sum(qs.astype(jnp.float32), axis=1)
+                scores.append(_dot(qs, k_op) + bias[:, None])  # [block_h, G]
+            else:  # dequantize every value
+                k = (codes.astype(jnp.float32) * s + z).astype(dtype)
+                scores.append(_dot(q_lo, k))
 
         def values(p):
-            out = []
+            out, pz, pss = [], [], []
             for j in range(n_ch):
                 o_j = jnp.zeros((block_h, G), jnp.float32)
+                pz_j = jnp.zeros((block_h, G), jnp.float32)
+                pss_j = jnp.zeros((block_h, G), jnp.float32)
                 for i in range(n_groups):
+                    if ablate == "no_values":
+                        o_j = o_j + p[i]
+                        continue
                     tg = t0 + i * G
                     vb = vc_ref[pl.ds(tg, G), pl.ds(j * (G // vpb), G // vpb)]  # [G, G/vpb]
-                    v_op = _as_magic_float(_unpack_cols(vb, v_bits), dtype)  # [G tok, G ch]
+                    codes = _unpack_cols(vb, v_bits)  # [G tok, G ch]
+                    if v_mode == "dequant":
+                        vs = vs_ref[pl.ds(tg, G), pl.ds(j, 1)].astype(jnp.float32)  # [G, 1]
+                        vz = vz_ref[pl.ds(tg, G), pl.ds(j, 1)].astype(jnp.float32)
+                        v = (codes.astype(jnp.float32) * vs + vz).astype(dtype)
+                        o_j = o_j + _dot_nn(p[i].astype(dtype), v)
+                        continue
+                    v_op = _as_magic_float(codes, dtype)
                     vs = vs_ref[pl.ds(tg, G), j].astype(jnp.float32)  # [G]
                     vz = vz_ref[pl.ds(tg, G), j].astype(jnp.float32)
                     ps = (p[i] * vs[None, :]).astype(dtype)  # value scale folded into p
-                    corr = jnp.sum(p[i] * vz[None, :], axis=1) - magic * jnp.sum(
-                        ps.astype(jnp.float32), axis=1
-                    )
-                    o_j = o_j + _dot_nn(ps, v_op) + corr[:, None]
+                    o_j = o_j + _dot_nn(ps, v_op)
+                    if lazy:  # corrections summed over tokens once, at the end
+                        pz_j = pz_j + p[i] * vz[None, :]
+                        pss_j = pss_j + ps.astype(jnp.float32)
+                    else:
+                        corr = jnp.sum(p[i] * vz[None, :], axis=1) - magic * jnp.sum(
+                            ps.astype(jnp.float32), axis=1
+                        )
+                        o_j = o_j + corr[:, None]
                 out.append(o_j)
-            return out
+                pz.append(pz_j)
+                pss.append(pss_j)
+            return out + (pz + pss if lazy else [])
 
         return softmax_update(carry, scores, values)
 
@@ -264,20 +297,24 @@ def _kernel(
                     v = jnp.where(t < length, v, 0.0).astype(dtype)  # stale slots may hold junk
                     o_j = o_j + _dot_nn(p[i].astype(dtype), v)
                 out.append(o_j)
-            return out
+            return out + ([jnp.zeros((block_h, G), jnp.float32)] * (2 * n_ch) if lazy else [])
 
         return softmax_update(carry, scores, values)
 
     carry = (
         jnp.full((block_h,), _NEG_INIT, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
-        tuple(jnp.zeros((block_h, G), jnp.float32) for _ in range(n_ch)),
+        tuple(jnp.zeros((block_h, G), jnp.float32) for _ in range(n_ch * (3 if lazy else 1))),
     )
     carry = lax.fori_loop(blk_lo, jnp.minimum(blk_hi, n_fast), fast_body, carry)
     carry = lax.fori_loop(jnp.maximum(blk_lo, n_fast), blk_hi, general_body, carry)
     m, l_sum, acc = carry
     for j in range(n_ch):
-        o_ref[:, pl.ds(j * G, G)] = acc[j]
+        o_j = acc[j]
+        if lazy:
+            pz_j, pss_j = acc[n_ch + j], acc[2 * n_ch + j]
+            o_j = o_j + (jnp.sum(pz_j, axis=1) - magic * jnp.sum(pss_j, axis=1))[:, None]
+        o_ref[:, pl.ds(j * G, G)] = o_j
     m_ref[...] = m
     l_ref[...] = l_sum
 
@@ -304,6 +341,7 @@ def _merge(o, m, l_sum, n_rep: int, out_dtype):
         "sm_scale",
         "tuning",
         "interpret",
+        "_ablate",
     ),
 )
 def kivi_decode_attention_gpu(
@@ -325,8 +363,12 @@ def kivi_decode_attention_gpu(
     sm_scale: float | None = None,
     tuning: GpuTuning = GpuTuning(),
     interpret: bool = False,
+    _ablate: str = "",
 ):
-    """Decode attention over a KIVI state with the fused Pallas-Triton kernel -> [B, Hq, D]."""
+    """Decode attention over a KIVI state with the fused Pallas-Triton kernel -> [B, Hq, D].
+
+    `_ablate` ("no_keys" / "no_values") drops one side of the fast path; for timing only.
+    """
     B, Hq, D = q.shape
     _, H, C, _ = v_codes.shape
     G, R = group_size, residual_length
@@ -366,6 +408,9 @@ def kivi_decode_attention_gpu(
         n_groups=n_groups,
         blocks_per_split=blocks_per_split,
         dtype=q.dtype,
+        k_mode=tuning.k_mode,
+        v_mode=tuning.v_mode,
+        ablate=_ablate,
     )
 
     def whole(x):  # the (b, h) slice of a [B, H, ...] array
