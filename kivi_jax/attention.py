@@ -1,0 +1,80 @@
+"""Decode attention over a KV state: the public dispatch and the plain-jnp reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kivi_jax.cache import Cache, FullCache, KiviCache, dequantized_heads_major
+
+IMPLEMENTATIONS = ("auto", "reference", "pallas")
+
+
+def check_decode_inputs(q: jax.Array, cache: Cache) -> int:
+    """Checks q [batch, q_heads, head_dim] against one cache layer; returns q_heads // kv_heads."""
+    if not isinstance(cache, KiviCache | FullCache):
+        raise TypeError(f"expected a KiviCache or FullCache, got {type(cache).__name__}")
+    if cache.lengths.ndim != 1:
+        raise ValueError("decode_attention takes one layer's cache, not a stacked one")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    b, hq, d = q.shape
+    if b != cache.batch or d != cache.head_dim:
+        raise ValueError(
+            f"q of shape {q.shape} does not match the cache (batch={cache.batch}, "
+            f"head_dim={cache.head_dim})"
+        )
+    if hq % cache.num_kv_heads:
+        raise ValueError(
+            f"q_heads={hq} must be a multiple of the cache's kv_heads={cache.num_kv_heads} (GQA)"
+        )
+    return hq // cache.num_kv_heads
+
+
+def decode_attention_reference(q: jax.Array, cache: Cache) -> jax.Array:
+    """softmax(q . K / sqrt(d)) . V over each sequence's held tokens, in float32.
+
+    q: [batch, q_heads, head_dim]; query head h reads KV head h // (q_heads // kv_heads).
+    Returns [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
+    """
+    n_rep = check_decode_inputs(q, cache)
+    b, hq, d = q.shape
+    k, v = dequantized_heads_major(cache)  # [B, H, C, D] float32
+    qg = q.astype(jnp.float32).reshape(b, hq // n_rep, n_rep, d)  # [B, H, rep, D]
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bhrd,bhtd->bhrt", qg, k, precision=hi) / jnp.sqrt(jnp.float32(d))
+    held = jnp.arange(k.shape[2]) < cache.lengths[:, None, None, None]  # [B, 1, 1, C]
+    s = jnp.where(held, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(held, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhrt,bhtd->bhrd", p, v, precision=hi) / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def decode_attention(
+    q: jax.Array, cache: Cache, *, impl: str = "auto", interpret: bool = False
+) -> jax.Array:
+    """Attention of one new query per sequence over everything the cache holds.
+
+    Args:
+      q: [batch, q_heads, head_dim], q_heads a multiple of the cache's kv_heads.
+      cache: one layer's KiviCache or FullCache, already holding this step's key and value.
+      impl: "reference" (plain jnp), "pallas" (the fused kernel; an error where it does not
+        support the configuration) or "auto" (the kernel where it applies, else the reference).
+      interpret: run a Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    check_decode_inputs(q, cache)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "impl='pallas': no fused decode kernel is available in this build yet; "
+            "use impl='reference' or 'auto'"
+        )
+    return decode_attention_reference(q, cache)

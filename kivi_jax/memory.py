@@ -1,0 +1,117 @@
+"""Memory accounting: what a cache allocates and what the tokens it holds cost per value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kivi_jax.cache import Cache, FullCache
+from kivi_jax.config import KiviConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """Bytes a cache allocates, by component (all layers, all sequences).
+
+    capacity_values counts the K and V values the allocation can hold (2 * layers * batch *
+    kv_heads * capacity * head_dim), so bits_per_value_allocated is the cost per value at capacity.
+    """
+
+    codes_bytes: int
+    scales_zeros_bytes: int
+    residual_bytes: int
+    counters_bytes: int
+    full_precision_bytes: int  # the same capacity as a FullCache in the same dtype
+    capacity_values: int
+
+    @property
+    def total_bytes(self) -> int:
+        parts = (self.codes_bytes, self.scales_zeros_bytes, self.residual_bytes)
+        return sum(parts) + self.counters_bytes
+
+    @property
+    def bits_per_value_allocated(self) -> float:
+        return 8 * self.total_bytes / self.capacity_values
+
+
+def memory_report(cache: Cache) -> MemoryReport:
+    """Exact bytes the arrays of `cache` occupy (one layer or stacked)."""
+    size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
+    counters = size(cache.lengths, cache.overflow)
+    if isinstance(cache, FullCache):
+        kv = size(cache.k, cache.v)
+        return MemoryReport(
+            codes_bytes=0,
+            scales_zeros_bytes=0,
+            residual_bytes=kv,
+            counters_bytes=counters,
+            full_precision_bytes=kv,
+            capacity_values=cache.k.size + cache.v.size,
+        )
+    capacity_values = 2 * cache.v_codes.size * (8 // cache.config.v_bits)
+    return MemoryReport(
+        codes_bytes=size(cache.k_codes, cache.v_codes),
+        scales_zeros_bytes=size(cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero),
+        residual_bytes=size(cache.k_residual, cache.v_residual),
+        counters_bytes=counters,
+        full_precision_bytes=capacity_values * cache.dtype.itemsize,
+        capacity_values=capacity_values,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeldBits:
+    """Bits that the K and V of `length` tokens occupy in one sequence's KV head.
+
+    bits_per_value = total_bits / (2 * length * head_dim) counts the codes, the scales and zero
+    points of the quantized tokens and the full-precision residual: the paper's "3 bits at G=32"
+    counts only the first two.
+    """
+
+    length: int
+    head_dim: int
+    dtype_bits: int
+    code_bits: int
+    scale_zero_bits: int
+    residual_bits: int
+
+    @property
+    def total_bits(self) -> int:
+        return self.code_bits + self.scale_zero_bits + self.residual_bits
+
+    @property
+    def fp_bits(self) -> int:
+        """What the same tokens cost in a full-precision cache of the same dtype."""
+        return 2 * self.length * self.head_dim * self.dtype_bits
+
+    @property
+    def bits_per_value(self) -> float:
+        return self.total_bits / (2 * self.length * self.head_dim) if self.length else 0.0
+
+    @property
+    def compression(self) -> float:
+        """fp_bits / total_bits: how many times smaller than the full-precision cache."""
+        return self.fp_bits / self.total_bits if self.total_bits else 1.0
+
+
+def held_bits(
+    config: KiviConfig | None, *, length: int, head_dim: int, dtype=jnp.bfloat16
+) -> HeldBits:
+    """Bits that `length` tokens cost in one sequence's KV head under `config` (None: full)."""
+    w = jnp.dtype(dtype).itemsize * 8
+    if config is None:
+        qk = pv = 0
+        k_bits = v_bits = g = 1
+    else:
+        g, r = config.group_size, config.residual_length
+        qk, pv = length - length % r, max(length - r, 0)
+        k_bits, v_bits = config.k_bits, config.v_bits
+    return HeldBits(
+        length=length,
+        head_dim=head_dim,
+        dtype_bits=w,
+        code_bits=(qk * k_bits + pv * v_bits) * head_dim,
+        scale_zero_bits=2 * w * (qk + pv) * head_dim // g,
+        residual_bits=((length - qk) + (length - pv)) * head_dim * w,
+    )

@@ -1,0 +1,117 @@
+"""Asymmetric min/max group quantization and the bit packing of its codes.
+
+A group of values X is stored as codes q in [0, 2^B - 1] with a scale s and a zero point z:
+
+    z = min(X),  s >= (max(X) - min(X)) / (2^B - 1),  q = round((X - z) / s),  X ~= q * s + z.
+
+s and z are stored in the cache dtype. z is the group minimum, which is exact because X is already
+in that dtype; s is rounded *up* to the dtype, so z + (2^B - 1) * s covers max(X) and every member
+is within s / 2 of its reconstruction. A constant group has s = 0 and reconstructs exactly as z.
+
+Packing (the only place that defines the bit order): `8 // bits` codes share one uint8. Along the
+packed axis, element i lives in byte i // (8 // bits) at bits [bits * (i % (8 // bits)), +bits),
+i.e. the first element in the least significant bits. Keys are packed along tokens and values along
+channels (see kivi_jax.cache), so a kernel unpacks a tile with one shift and one mask per code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
+
+
+def codes_per_byte(bits: int) -> int:
+    """How many `bits`-bit codes share one uint8."""
+    return 8 // bits
+
+
+def pack_codes(codes: jax.Array, bits: int, axis: int) -> jax.Array:
+    """Packs codes in [0, 2^bits) along `axis` into uint8, shrinking it by 8 // bits.
+
+    codes: any integer array; codes.shape[axis] must be a multiple of 8 // bits.
+    """
+    n = codes_per_byte(bits)
+    c = jnp.moveaxis(codes, axis, -1).astype(jnp.uint8)
+    *lead, m = c.shape
+    if m % n:
+        raise ValueError(f"cannot pack {m} codes of {bits} bits: need a multiple of {n}")
+    c = c.reshape(*lead, m // n, n)  # [..., bytes, codes in byte]
+    shifts = jnp.arange(n, dtype=jnp.uint8) * jnp.uint8(bits)
+    packed = jnp.bitwise_or.reduce(c << shifts, axis=-1) if n > 1 else c[..., 0]
+    return jnp.moveaxis(packed.astype(jnp.uint8), -1, axis)
+
+
+def unpack_codes(packed: jax.Array, bits: int, axis: int) -> jax.Array:
+    """Inverse of pack_codes: uint8 codes, `axis` grown by 8 // bits."""
+    n = codes_per_byte(bits)
+    p = jnp.moveaxis(packed, axis, -1)
+    shifts = jnp.arange(n, dtype=jnp.uint8) * jnp.uint8(bits)
+    mask = jnp.uint8((1 << bits) - 1)
+    c = (p[..., None] >> shifts) & mask  # [..., bytes, codes in byte]
+    c = c.reshape(*p.shape[:-1], p.shape[-1] * n)
+    return jnp.moveaxis(c, -1, axis)
+
+
+def _round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
+    """Non-negative float32 x cast to `dtype`, rounded towards +inf (never below x)."""
+    y = x.astype(dtype)
+    if jnp.dtype(dtype) == jnp.float32:
+        return y
+    uint = _UINT_OF_WIDTH[jnp.dtype(dtype).itemsize]
+    bumped = lax.bitcast_convert_type(lax.bitcast_convert_type(y, uint) + uint(1), dtype)
+    return jnp.where(y.astype(jnp.float32) < x, bumped, y)
+
+
+def quantize(
+    x: jax.Array, bits: int, group_size: int, axis: int, dtype
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes x in groups of `group_size` consecutive elements along `axis`.
+
+    Args:
+      x: values already representable in `dtype` (cast them first); G divides x.shape[axis].
+      bits: code width B.
+      group_size: G.
+      axis: the axis along which groups are formed.
+      dtype: the dtype of the returned scale and zero point.
+
+    Returns:
+      codes: uint8, same shape as x, unpacked, in [0, 2^B - 1].
+      scale, zero: `dtype`, x.shape with `axis` shrunk by G; x ~= codes * scale + zero.
+    """
+    levels = (1 << bits) - 1
+    xf = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+    *lead, m = xf.shape
+    if m % group_size:
+        raise ValueError(f"axis of length {m} is not a multiple of group_size={group_size}")
+    g = xf.reshape(*lead, m // group_size, group_size)  # [..., groups, G]
+    lo = jnp.min(g, axis=-1)
+    hi = jnp.max(g, axis=-1)
+    zero = lo.astype(dtype)
+    scale = _round_up_to_dtype((hi - lo) / levels, dtype)
+    s = scale.astype(jnp.float32)[..., None]
+    z = zero.astype(jnp.float32)[..., None]
+    q = jnp.round((g - z) / jnp.where(s == 0, 1.0, s))
+    codes = jnp.clip(q, 0, levels).astype(jnp.uint8).reshape(*lead, m)
+    return (
+        jnp.moveaxis(codes, -1, axis),
+        jnp.moveaxis(scale, -1, axis),
+        jnp.moveaxis(zero, -1, axis),
+    )
+
+
+def dequantize(
+    codes: jax.Array, scale: jax.Array, zero: jax.Array, group_size: int, axis: int
+) -> jax.Array:
+    """codes * scale + zero in float32, the scale and zero repeated over each group along `axis`."""
+    s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
+    z = jnp.repeat(zero.astype(jnp.float32), group_size, axis=axis)
+    return codes.astype(jnp.float32) * s + z
+
+
+def fake_quantize(x: jax.Array, bits: int, group_size: int, axis: int) -> jax.Array:
+    """Quantize-dequantize x along `axis` in groups of G, returned in x's dtype (for analyses)."""
+    codes, scale, zero = quantize(x, bits, group_size, axis, x.dtype)
+    return dequantize(codes, scale, zero, group_size, axis).astype(x.dtype)

@@ -1,0 +1,30 @@
+"""The installed package: one clean top-level name, kivi_jax."""
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_only_the_kivi_jax_namespace(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("kivi_jax-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert top == {"kivi_jax", next(t for t in top if t.endswith(".dist-info"))}
+    # models/ and pallas_kernels/ of the repository install under kivi_jax.
+    assert "kivi_jax/models/__init__.py" in names
+    assert "kivi_jax/pallas_kernels/__init__.py" in names
+
+
+def test_repository_folders_import_under_kivi_jax():
+    import kivi_jax.models
+    import kivi_jax.pallas_kernels
+
+    assert pathlib.Path(kivi_jax.models.__file__).parent.name == "models"
+    assert pathlib.Path(kivi_jax.pallas_kernels.__file__).parent.name == "pallas_kernels"
