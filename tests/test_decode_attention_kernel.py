@@ -1,18 +1,23 @@
-"""The fused GPU decode-attention kernel against a plain reference on fresh random KIVI states.
+"""The fused GPU decode-attention kernel against the reference on fresh random KIVI states.
 
 CPU CI runs the kernel in Pallas interpret mode on small shapes; `pytest -m gpu` runs the
-compiled kernel on a CUDA GPU over the full grid.
+compiled kernel on a CUDA GPU over the full grid (bits x head_dim x GQA x dtype).
+
+States are real: built by kivi_jax.prefill and kivi_jax.append from random keys and values
+(ragged prompt lengths, then decode steps so residual rings wrap and flushes happen), plus one
+test with random codes, scales and zero points written straight into the layout.
 
 Tolerance (STYLE.md, after flash-attention's tests): the kernel rounds its tensor-core operands
 (query x key scale, keys, probabilities x value scale, values) to the input dtype and accumulates
 in float32, so it may be at most about twice as far from the float32 reference as a plain
-implementation that rounds the same operands to the same dtype, plus a few units of roundoff
-of the output's scale. Both references see the same dequantized state, so quantization error
-never enters the comparison.
+implementation that rounds the same operands to the same dtype, plus a few units of roundoff of
+the values' scale. Both references read the same dequantized state
+(kivi_jax.cache.dequantized_heads_major), so quantization error never enters the comparison.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -21,117 +26,80 @@ import numpy as np
 import pytest
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
-    kivi_decode_attention_gpu,
+    decode_attention_pallas,
     supported_config_reason,
 )
 
-G = 32
+import kivi_jax
+from kivi_jax.cache import dequantized_heads_major
 
 
-def _random_state(rng, *, B, H, n_rep, D, C, R, k_bits, v_bits, lengths, dtype):
-    """A KIVI state with random codes, scales and zero points in the documented layout."""
-    kpb, vpb = 8 // k_bits, 8 // v_bits
-
-    def u8(shape):
-        return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
-
-    def f(shape, lo, hi):
-        return jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32)).astype(dtype)
-
-    k_scale = f((B, H, C // G, D), 0.0, 0.3)
-    k_scale = k_scale.at[:, :, 0, :4].set(0)  # constant groups (scale 0) must work too
-    state = dict(
-        k_codes=u8((B, H, C // kpb, D)),
-        k_scale=k_scale,
-        k_zero=f((B, H, C // G, D), -1.0, 1.0),
-        v_codes=u8((B, H, C, D // vpb)),
-        v_scale=f((B, H, C, D // G), 0.0, 0.3),
-        v_zero=f((B, H, C, D // G), -1.0, 1.0),
-        k_residual=f((B, H, R, D), -2.0, 2.0),
-        v_residual=f((B, H, R, D), -2.0, 2.0),
-        lengths=jnp.asarray(lengths, jnp.int32),
+def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
+    """prefill ragged prompts, then `steps` decode appends (every row active)."""
+    B = len(prompts)
+    cache = kivi_jax.init_cache(
+        config, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
     )
-    q = f((B, H * n_rep, D), -2.0, 2.0)
-    return q, state
+    seq = max(max(prompts), 1)
+    k = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    k[..., ::8] *= 5.0  # outlier channels, as keys have
+    v = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    cache = kivi_jax.prefill(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(prompts))
+    for _ in range(steps):
+        kt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        cache = kivi_jax.append(cache, kt, vt)
+    return cache
 
 
-def _dequantized_kv(state, *, k_bits, v_bits, R):
-    """Per sequence, the float32 keys and values of tokens [0, l) the attention must see."""
-    B, H, C, _ = state["v_codes"].shape
-    D = state["k_codes"].shape[-1]
-    f32 = lambda x: np.asarray(x, np.float32)
-    kc = np.asarray(state["k_codes"]).astype(np.int32)  # token t, channel d: byte t // kpb
-    kcodes = np.stack([(kc >> (k_bits * j)) & ((1 << k_bits) - 1) for j in range(8 // k_bits)], 3)
-    kcodes = kcodes.reshape(B, H, C, D)
-    vc = np.asarray(state["v_codes"]).astype(np.int32)  # channel d of token t: byte d // vpb
-    vcodes = np.stack([(vc >> (v_bits * j)) & ((1 << v_bits) - 1) for j in range(8 // v_bits)], 4)
-    vcodes = vcodes.reshape(B, H, C, D)
-    K = kcodes * np.repeat(f32(state["k_scale"]), G, 2) + np.repeat(f32(state["k_zero"]), G, 2)
-    V = vcodes * np.repeat(f32(state["v_scale"]), G, 3) + np.repeat(f32(state["v_zero"]), G, 3)
-    out = []
-    for b in range(B):
-        length = int(state["lengths"][b])
-        qk, pv = length - length % R, max(length - R, 0)
-        t = np.arange(length)
-        k, v = K[b, :, :length].copy(), V[b, :, :length].copy()
-        k[:, qk:] = f32(state["k_residual"])[b][:, t[qk:] % R]
-        v[:, pv:] = f32(state["v_residual"])[b][:, t[pv:] % R]
-        out.append((k, v))
-    return out
-
-
-def _attention_reference(q, kv, *, round_to=None):
-    """softmax(q.K/sqrt(D)) @ V per sequence; round_to rounds the operands the kernel rounds."""
-    rnd = (
-        (lambda x: x)
-        if round_to is None
-        else (lambda x: np.asarray(jnp.asarray(x, round_to), np.float32))
-    )
+def _rounded_reference(q, cache, dtype):
+    """softmax(q.K/sqrt(D)) V with K, V, q/sqrt(D) and p rounded to `dtype` (float32 otherwise)."""
+    rnd = lambda x: np.asarray(jnp.asarray(x, dtype), np.float32)
+    k, v = (np.asarray(x) for x in dequantized_heads_major(cache))  # [B, H, C, D]
     q = np.asarray(q, np.float32)
     B, Hq, D = q.shape
+    n_rep = Hq // k.shape[1]
     out = np.zeros((B, Hq, D), np.float32)
-    for b, (k, v) in enumerate(kv):
-        H = k.shape[0]
-        n_rep = Hq // H
-        if k.shape[1] == 0:
+    for b, length in enumerate(np.asarray(cache.lengths)):
+        if length == 0:
             continue
         for h in range(Hq):
-            s = rnd(k[h // n_rep]) @ rnd(q[b, h] / np.sqrt(D))
+            kk, vv = k[b, h // n_rep, :length], v[b, h // n_rep, :length]
+            s = rnd(kk) @ rnd(q[b, h] / np.sqrt(D))
             p = np.exp(s - s.max())
-            out[b, h] = (rnd(p) @ rnd(v[h // n_rep])) / p.sum()
+            out[b, h] = (rnd(p) @ rnd(vv)) / p.sum()
     return out
 
 
-def _check(rng, *, B, H, n_rep, D, C, R, k_bits, v_bits, lengths, dtype, interpret, tuning=None):
-    q, state = _random_state(
-        rng, B=B, H=H, n_rep=n_rep, D=D, C=C, R=R, k_bits=k_bits, v_bits=v_bits,
-        lengths=lengths, dtype=dtype,
-    )  # fmt: skip
-    out = kivi_decode_attention_gpu(
-        q, **state, k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R,
-        tuning=tuning or GpuTuning(), interpret=interpret,
-    )  # fmt: skip
+def _check(q, cache, *, interpret, tuning=None):
+    dtype = q.dtype
+    out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or GpuTuning())
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()
-    kv = _dequantized_kv(state, k_bits=k_bits, v_bits=v_bits, R=R)
-    ref = _attention_reference(q, kv)
-    ref_lo = _attention_reference(q, kv, round_to=dtype)
+    ref = np.asarray(kivi_jax.decode_attention_reference(q.astype(jnp.float32), cache))
+    ref_lo = _rounded_reference(q, cache, dtype)
+    _, v = dequantized_heads_major(cache)
     u = float(jnp.finfo(dtype).eps) / 2
-    scale = (
-        max(float(np.abs(v).max()) for _, v in kv if v.size) if any(v.size for _, v in kv) else 1
-    )
-    tol = 2 * np.abs(ref_lo - ref).max() + 4 * u * scale
+    tol = 2 * np.abs(ref_lo - ref).max() + 4 * u * max(float(jnp.abs(v).max()), 1.0)
     err = np.abs(out - ref)
     assert err.max() <= tol, f"max err {err.max():.3g} > tol {tol:.3g}"
-    for b, length in enumerate(lengths):
-        if length == 0:
-            assert (out[b] == 0).all()
+    lengths = np.asarray(cache.lengths)
+    assert (out[lengths == 0] == 0).all()
 
 
-# Small CPU (interpret) grid: each case covers several axes at once (pairwise), ~3 s apiece.
-# Lengths: 0, shorter than R, not a multiple of G or of the block, a multiple of R, a flush
-# boundary (l % R == 0 with l > R), and long enough to use the fast path of several splits.
+def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R):
+    cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=32, residual_length=R)
+    cache = _real_cache(
+        rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts, steps=steps, dtype=dtype
+    )
+    q = jnp.asarray(rng.normal(size=(len(prompts), H * n_rep, D)).astype(np.float32), dtype)
+    return q, cache
+
+
+# CPU (interpret) grid: each case covers several axes at once (pairwise), a few seconds apiece.
+# Final lengths (prompt + 5 steps: 32, 305, 69, 185) are shorter than R, not multiples of G or
+# of the block, past key flushes and value-ring wraps; test_length_zero_row covers l = 0.
 _CPU_CASES = [
     # k_bits, v_bits, D, n_rep, dtype
     (2, 2, 128, 4, jnp.bfloat16),
@@ -144,38 +112,94 @@ _CPU_CASES = [
 
 
 @pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype"), _CPU_CASES)
-def test_kernel_matches_reference_interpret(k_bits, v_bits, D, n_rep, dtype):
-    rng = np.random.default_rng([k_bits, v_bits, D, n_rep])
-    _check(
-        rng, B=5, H=2, n_rep=n_rep, D=D, C=384, R=64, k_bits=k_bits, v_bits=v_bits,
-        lengths=[0, 37, 355, 128, 193], dtype=dtype, interpret=True,
-        tuning=GpuTuning(num_splits=3),
+def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype):
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=2, max_len=400,
+        prompts=[27, 300, 64, 180], steps=5, R=64,
     )  # fmt: skip
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3))
 
 
-def test_single_group_blocks_and_one_split_interpret():
-    rng = np.random.default_rng(7)
-    _check(
-        rng, B=2, H=1, n_rep=2, D=64, C=256, R=32, k_bits=2, v_bits=2, lengths=[256, 97],
-        dtype=jnp.bfloat16, interpret=True, tuning=GpuTuning(n_groups=1, num_splits=1),
+def test_length_zero_row_interpret(rng):
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=64)
+    cache = _real_cache(
+        rng, config=cfg, H=2, D=64, max_len=256, prompts=[0, 97, 200], steps=0,
+        dtype=jnp.bfloat16,
     )  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.bfloat16)
+    _check(q, cache, interpret=True, tuning=GpuTuning(n_groups=1, num_splits=1))
+
+
+def test_random_layout_state_interpret(rng):
+    """Random codes, scales (some zero) and zero points written straight into the layout."""
+    B, H, D, C, R, dtype = 3, 2, 64, 256, 64, jnp.bfloat16
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=R)
+    cache = kivi_jax.init_cache(cfg, batch=B, max_len=C, num_kv_heads=H, head_dim=D, dtype=dtype)
+
+    def like(x, lo, hi):
+        if x.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+        return jnp.asarray(rng.uniform(lo, hi, x.shape).astype(np.float32), x.dtype)
+
+    cache = dataclasses.replace(
+        cache,
+        k_codes=like(cache.k_codes, 0, 0),
+        k_scale=like(cache.k_scale, 0.0, 0.3).at[:, :, 0, :4].set(0),  # constant groups
+        k_zero=like(cache.k_zero, -1, 1),
+        v_codes=like(cache.v_codes, 0, 0),
+        v_scale=like(cache.v_scale, 0.0, 0.3),
+        v_zero=like(cache.v_zero, -1, 1),
+        k_residual=like(cache.k_residual, -2, 2),
+        v_residual=like(cache.v_residual, -2, 2),
+        lengths=jnp.asarray([256, 100, 193], jnp.int32),
+    )
+    q = jnp.asarray(rng.normal(size=(B, 3 * H, D)), dtype)
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        GpuTuning(k_mode="dequant", v_mode="dequant", num_splits=2),
+        GpuTuning(v_mode="lazy", n_groups=4, num_splits=2),
+    ],
+)
+def test_kernel_variants_interpret(rng, tuning):
+    q, cache = _case(
+        rng, k_bits=2, v_bits=4, D=64, n_rep=3, dtype=jnp.bfloat16, H=2, max_len=384,
+        prompts=[384 - 3, 250], steps=3, R=64,
+    )  # fmt: skip
+    _check(q, cache, interpret=True, tuning=tuning)
+
+
+def test_dispatch(rng):
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=128,
+        prompts=[100, 40], steps=1, R=64,
+    )  # fmt: skip
+    ref = kivi_jax.decode_attention(q, cache, impl="reference")
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(kivi_jax.decode_attention(q, cache), ref)  # auto
+        with pytest.raises(NotImplementedError, match="CUDA GPU"):
+            kivi_jax.decode_attention(q, cache, impl="pallas")
+    out = kivi_jax.decode_attention(q, cache, impl="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=0.05)
+    full = kivi_jax.init_cache(None, batch=2, max_len=128, num_kv_heads=2, head_dim=64)
+    with pytest.raises(NotImplementedError, match="KiviCache"):
+        kivi_jax.decode_attention(q, full, impl="pallas", interpret=True)
+    cfg8 = kivi_jax.KiviConfig(k_bits=8, v_bits=8, group_size=32, residual_length=64)
+    c8 = kivi_jax.init_cache(cfg8, batch=2, max_len=128, num_kv_heads=2, head_dim=64)
+    with pytest.raises(NotImplementedError, match="k_bits=8"):
+        kivi_jax.decode_attention(q, c8, impl="pallas", interpret=True)
 
 
 def test_unsupported_configs_are_named():
-    assert supported_config_reason(k_bits=8, v_bits=2, group_size=32, head_dim=128,
-                                   dtype=jnp.bfloat16) is not None  # fmt: skip
-    assert "head_dim" in supported_config_reason(
-        k_bits=2, v_bits=2, group_size=32, head_dim=96, dtype=jnp.bfloat16
-    )
-    assert "float32" in supported_config_reason(
-        k_bits=2, v_bits=2, group_size=32, head_dim=128, dtype=jnp.float32
-    )
-    q = jnp.zeros((1, 1, 96), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        kivi_decode_attention_gpu(
-            q, *[jnp.zeros((1, 1, 1, 1))] * 9, k_bits=2, v_bits=2, group_size=32,
-            residual_length=128,
-        )  # fmt: skip
+    ok = dict(k_bits=2, v_bits=2, group_size=32, head_dim=128, dtype=jnp.bfloat16)
+    assert supported_config_reason(**ok) is None
+    assert "k_bits=8" in supported_config_reason(**{**ok, "k_bits": 8})
+    assert "head_dim=96" in supported_config_reason(**{**ok, "head_dim": 96})
+    assert "float32" in supported_config_reason(**{**ok, "dtype": jnp.float32})
+    assert "group_size=8" in supported_config_reason(**{**ok, "group_size": 8})
 
 
 _GPU_GRID = list(
@@ -190,15 +214,15 @@ _GPU_GRID = list(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("bits", "D", "n_rep", "dtype"), _GPU_GRID)
-def test_kernel_matches_reference_gpu(bits, D, n_rep, dtype):
+def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     k_bits, v_bits = bits
-    rng = np.random.default_rng([k_bits, v_bits, D, n_rep, jnp.dtype(dtype).itemsize])
-    _check(
-        rng, B=6, H=4, n_rep=n_rep, D=D, C=2048, R=128, k_bits=k_bits, v_bits=v_bits,
-        lengths=[0, 1, 100, 1280, 2047, 1411], dtype=dtype, interpret=False,
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
     )  # fmt: skip
+    _check(q, cache, interpret=False)
 
 
 @pytest.mark.gpu
@@ -211,26 +235,11 @@ def test_kernel_matches_reference_gpu(bits, D, n_rep, dtype):
         GpuTuning(v_mode="lazy"),
     ],
 )
-def test_kernel_tunings_gpu(tuning):
+def test_kernel_tunings_gpu(rng, tuning):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    rng = np.random.default_rng(11)
-    _check(
-        rng, B=3, H=8, n_rep=4, D=128, C=4096, R=128, k_bits=2, v_bits=2,
-        lengths=[4096, 3001, 129], dtype=jnp.bfloat16, interpret=False, tuning=tuning,
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=128, n_rep=4, dtype=jnp.bfloat16, H=8, max_len=4096,
+        prompts=[4000, 3001, 129], steps=9, R=128,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        GpuTuning(k_mode="dequant", v_mode="dequant", num_splits=2),
-        GpuTuning(v_mode="lazy", n_groups=4, num_splits=2),
-    ],
-)
-def test_kernel_variants_interpret(tuning):
-    rng = np.random.default_rng(5)
-    _check(
-        rng, B=3, H=2, n_rep=3, D=64, C=384, R=64, k_bits=2, v_bits=4,
-        lengths=[384, 0, 250], dtype=jnp.bfloat16, interpret=True, tuning=tuning,
-    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=tuning)

@@ -2,8 +2,16 @@
 
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     GpuTuning,
+    decode_attention_pallas,
     kivi_decode_attention_gpu,
     supported_config_reason,
+    unsupported_reason,
 )
 
-__all__ = ["GpuTuning", "kivi_decode_attention_gpu", "supported_config_reason"]
+__all__ = [
+    "GpuTuning",
+    "decode_attention_pallas",
+    "kivi_decode_attention_gpu",
+    "supported_config_reason",
+    "unsupported_reason",
+]

@@ -443,3 +443,47 @@ def kivi_decode_attention_gpu(
         name="kivi_decode_attention",
     )(lengths.astype(jnp.int32), qh, *state)
     return _merge(o, m, l_sum, n_rep, q.dtype)
+
+
+def unsupported_reason(q: jax.Array, cache) -> str | None:
+    """None if `decode_attention_pallas(q, cache)` runs, else what it does not support."""
+    from kivi_jax.cache import KiviCache  # the state layout lives in kivi_jax
+
+    if not isinstance(cache, KiviCache):
+        return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
+    cfg = cache.config
+    return supported_config_reason(
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        head_dim=q.shape[-1],
+        dtype=q.dtype,
+    )
+
+
+def decode_attention_pallas(
+    q: jax.Array, cache, *, interpret: bool = False, tuning: GpuTuning = GpuTuning()
+) -> jax.Array:
+    """The fused kernel over one layer's KiviCache: q [B, Hq, D] -> [B, Hq, D] in q's dtype."""
+    reason = unsupported_reason(q, cache)
+    if reason is not None:
+        raise NotImplementedError(f"impl='pallas': {reason}")
+    cfg = cache.config
+    return kivi_decode_attention_gpu(
+        q,
+        cache.k_codes,
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_codes,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_residual,
+        cache.v_residual,
+        cache.lengths,
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        residual_length=cfg.residual_length,
+        tuning=tuning,
+        interpret=interpret,
+    )
