@@ -259,15 +259,24 @@ SWEEP = [
     (GpuTuning(), "no_keys"),
     (GpuTuning(), "no_values"),
 ]
+# The whole-tile variant (tile="block"), against the best group variant of SWEEP.
+SWEEP_BLOCK = [
+    (GpuTuning(k_mode="dequant", v_mode="dequant"), ""),
+    (GpuTuning(tile="block"), ""),
+    (GpuTuning(tile="block", num_warps=8), ""),
+    (GpuTuning(tile="block", n_groups=4, num_warps=8), ""),
+    (GpuTuning(tile="block", n_groups=1), ""),
+]
 
 
-def sweep(s: Shape, *, calls, repeats, peak, smoke=False) -> list[dict]:
+def sweep(s: Shape, *, calls, repeats, peak, smoke=False, entries=None) -> list[dict]:
     """Times KIVI-2 on one shape under each SWEEP entry."""
     out = []
+    entries = SWEEP if entries is None else entries
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, 2)
-    for t, ablate in SWEEP:
+    for t, ablate in entries:
 
         def step(q, state, t=t, ablate=ablate):
             return kivi_decode_attention_gpu(
@@ -367,6 +376,9 @@ def main(argv=None) -> None:
     p.add_argument("--only", default=None, help="substring of shape names to run")
     p.add_argument("--sweep", action="store_true", help="also sweep KIVI-2 tunings at 8x32k")
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
+    p.add_argument(
+        "--block-sweep", action="store_true", help="only time SWEEP_BLOCK on both 8x32k shapes"
+    )
     args = p.parse_args(argv)
     shapes = SHAPES
     if args.smoke:
@@ -391,6 +403,15 @@ def main(argv=None) -> None:
         "rows": [],
     }
     tuning = GpuTuning()
+    if args.block_sweep:
+        result["block_sweep"] = []
+        for s0 in [s for s in shapes if s.batch == 8 and s.context == 32768]:
+            print(f"block sweep on {s0.name}", flush=True)
+            result["block_sweep"] += sweep(
+                s0, calls=args.calls, repeats=7, peak=peak, entries=SWEEP_BLOCK
+            )
+        (args.out / "attention_block.json").write_text(json.dumps(result, indent=1))
+        return
     if args.sweep:
         s0 = (
             next(s for s in shapes if s.batch == 8 and s.context == 32768)

@@ -162,6 +162,8 @@ def test_random_layout_state_interpret(rng):
     [
         GpuTuning(k_mode="dequant", v_mode="dequant", num_splits=2),
         GpuTuning(v_mode="lazy", n_groups=4, num_splits=2),
+        GpuTuning(tile="block", num_splits=2),
+        GpuTuning(tile="block", n_groups=1, num_splits=3),
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
@@ -233,6 +235,8 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
         GpuTuning(n_groups=4, num_warps=8),
         GpuTuning(k_mode="dequant", v_mode="dequant"),
         GpuTuning(v_mode="lazy"),
+        GpuTuning(tile="block"),
+        GpuTuning(tile="block", n_groups=4, num_warps=8),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning):
@@ -243,3 +247,19 @@ def test_kernel_tunings_gpu(rng, tuning):
         prompts=[4000, 3001, 129], steps=9, R=128,
     )  # fmt: skip
     _check(q, cache, interpret=False, tuning=tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("bits", "D", "n_rep", "dtype"),
+    list(itertools.product([(2, 2), (4, 4), (2, 4)], [64, 128], [1, 8], [jnp.float16])),
+)
+def test_block_tile_gpu(rng, bits, D, n_rep, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    k_bits, v_bits = bits
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=GpuTuning(tile="block"))

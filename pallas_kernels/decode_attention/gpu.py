@@ -84,6 +84,9 @@ class GpuTuning:
     num_stages: int = 2
     k_mode: str = "fold"  # "fold": key scale into the query; "dequant": per value
     v_mode: str = "fold"  # "fold" / "lazy" (zero-point sums deferred) / "dequant": per value
+    # "group": one G x G / G x D sub-tile at a time (k_mode, v_mode apply); "block": whole
+    # [block_t, D] tiles dequantized per value (128 + c built in the float32 bits), one dot each.
+    tile: str = "group"
 
 
 def supported_config_reason(
@@ -129,6 +132,31 @@ def _unpack_cols(byte_tile, bits: int):
     return c.reshape(r, n * per)
 
 
+def _unpack_rows_f32(byte_tile, bits: int):
+    """uint8 [r, n] -> float32 [r * per, n] holding 128 + code (row order as _unpack_rows).
+
+    The code is shifted straight into bits 16.. of the float32 mantissa and OR-ed with the
+    bits of 128.0: (x << (16 - bits*j)) & (mask << 16) | 0x43000000 is exactly 128 + c, two
+    integer instructions per value and no int->float conversion.
+    """
+    per = 8 // bits
+    r, n = byte_tile.shape
+    x = jnp.broadcast_to(byte_tile.astype(jnp.int32)[:, None, :], (r, per, n))
+    shift = 16 - lax.broadcasted_iota(jnp.int32, (r, per, n), 1) * bits
+    f = (lax.shift_left(x, shift) & (((1 << bits) - 1) << 16)) | 0x43000000
+    return lax.bitcast_convert_type(f, jnp.float32).reshape(r * per, n)
+
+
+def _unpack_cols_f32(byte_tile, bits: int):
+    """uint8 [r, n] -> float32 [r, n * per] holding 128 + code (column order as _unpack_cols)."""
+    per = 8 // bits
+    r, n = byte_tile.shape
+    x = jnp.broadcast_to(byte_tile.astype(jnp.int32)[:, :, None], (r, n, per))
+    shift = 16 - lax.broadcasted_iota(jnp.int32, (r, n, per), 2) * bits
+    f = (lax.shift_left(x, shift) & (((1 << bits) - 1) << 16)) | 0x43000000
+    return lax.bitcast_convert_type(f, jnp.float32).reshape(r, n * per)
+
+
 def _as_magic_float(codes, dtype):
     """int32 codes (< 128) -> dtype holding MAGIC + code exactly: one OR, no int->float convert."""
     bits, _ = _MAGIC_BITS[jnp.dtype(dtype)]
@@ -169,6 +197,7 @@ def _kernel(
     dtype,
     k_mode: str,
     v_mode: str,
+    tile: str,
     ablate: str,
 ):
     G, R = group_size, residual_length
@@ -201,6 +230,14 @@ def _kernel(
         contrib = values_fn(p)
         acc = tuple(a * alpha[:, None] + c for a, c in zip(acc, contrib, strict=True))
         return m_new, l_new, acc
+
+    if tile == "block":
+        _block_loops(
+            q, length, qk_end, pv_end, blk_lo, blk_hi, n_fast,
+            kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kr_ref, vr_ref, o_ref, m_ref, l_ref,
+            k_bits=k_bits, v_bits=v_bits, G=G, R=R, n_groups=n_groups, dtype=dtype,
+        )  # fmt: skip
+        return
 
     lazy = v_mode == "lazy"
 
@@ -319,6 +356,81 @@ def _kernel(
     l_ref[...] = l_sum
 
 
+def _block_loops(
+    q, length, qk_end, pv_end, blk_lo, blk_hi, n_fast,
+    kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kr_ref, vr_ref, o_ref, m_ref, l_ref,
+    *, k_bits, v_bits, G, R, n_groups, dtype,
+):  # fmt: skip
+    """tile="block": each iteration dequantizes a whole [block_t, D] key tile and value tile.
+
+    A value is (128 + c) * s + (z - 128 s): the float32 128 + c comes from two integer ops on
+    the code's bits (_unpack_rows_f32), the (z - 128 s) is formed on the small scale tiles, and
+    the group scales reach tile shape by broadcast + reshape; one FMA per value, then a bf16/f16
+    tensor-core dot for q.K^T and one for p.V.
+    """
+    kpb = 8 // k_bits
+    block_t = n_groups * G
+    block_h, D = q.shape
+    n_ch = D // G
+    q_lo = q.astype(dtype)
+
+    def keys(t0):
+        s = ks_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32)  # [n_groups, D]
+        z = kz_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32)
+        z = z - 128.0 * s
+        s = jnp.broadcast_to(s[:, None, :], (n_groups, G, D)).reshape(block_t, D)
+        z = jnp.broadcast_to(z[:, None, :], (n_groups, G, D)).reshape(block_t, D)
+        c = _unpack_rows_f32(kc_ref[pl.ds(t0 // kpb, block_t // kpb), :], k_bits)  # [bt, D]
+        return c * s + z
+
+    def values(t0):
+        s = vs_ref[pl.ds(t0, block_t), :].astype(jnp.float32)  # [block_t, n_ch]
+        z = vz_ref[pl.ds(t0, block_t), :].astype(jnp.float32)
+        z = z - 128.0 * s
+        s = jnp.broadcast_to(s[:, :, None], (block_t, n_ch, G)).reshape(block_t, D)
+        z = jnp.broadcast_to(z[:, :, None], (block_t, n_ch, G)).reshape(block_t, D)
+        c = _unpack_cols_f32(vc_ref[pl.ds(t0, block_t), :], v_bits)  # [block_t, D]
+        return c * s + z
+
+    def update(carry, scores, v):
+        m_prev, l_prev, acc = carry
+        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        alpha = jnp.exp2(m_prev - m_new)
+        p = jnp.exp2(scores - m_new[:, None])
+        l_new = l_prev * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(dtype), v.astype(dtype))
+        return m_new, l_new, acc
+
+    def fast_body(blk, carry):
+        t0 = blk * block_t
+        scores = _dot(q_lo, keys(t0).astype(dtype))  # [block_h, block_t]
+        return update(carry, scores, values(t0))
+
+    def general_body(blk, carry):
+        t0 = blk * block_t
+        t_row = t0 + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
+        t_col = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)
+        k_res = kr_ref[pl.ds(t0 % R, block_t), :].astype(jnp.float32)
+        k = jnp.where(t0 < qk_end, keys(t0), k_res)  # blocks never straddle qk_end
+        scores = jnp.where(t_row < length, _dot(q_lo, k.astype(dtype)), -jnp.inf)
+        v_res = vr_ref[pl.ds(t0 % R, block_t), :].astype(jnp.float32)
+        v = jnp.where(t_col < pv_end, values(t0), v_res)
+        v = jnp.where(t_col < length, v, 0.0)  # stale slots may hold anything
+        return update(carry, scores, v)
+
+    carry = (
+        jnp.full((block_h,), _NEG_INIT, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, D), jnp.float32),
+    )
+    carry = lax.fori_loop(blk_lo, jnp.minimum(blk_hi, n_fast), fast_body, carry)
+    carry = lax.fori_loop(jnp.maximum(blk_lo, n_fast), blk_hi, general_body, carry)
+    m, l_sum, acc = carry
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l_sum
+
+
 def _merge(o, m, l_sum, n_rep: int, out_dtype):
     """Log-sum-exp merge of the splits. o [B, H, S, bh, D], m and l [B, H, S, bh] (base 2)."""
     o, m, l_sum = o[:, :, :, :n_rep], m[:, :, :, :n_rep], l_sum[:, :, :, :n_rep]
@@ -410,6 +522,7 @@ def kivi_decode_attention_gpu(
         dtype=q.dtype,
         k_mode=tuning.k_mode,
         v_mode=tuning.v_mode,
+        tile=tuning.tile,
         ablate=_ablate,
     )
 
