@@ -236,6 +236,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
         GpuTuning(k_mode="dequant", v_mode="dequant"),
         GpuTuning(v_mode="lazy"),
         GpuTuning(tile="block"),
+        GpuTuning(tile="block", n_groups=2, num_warps=8),
         GpuTuning(tile="block", n_groups=4, num_warps=8),
     ],
 )
@@ -262,4 +263,4 @@ def test_block_tile_gpu(rng, bits, D, n_rep, dtype):
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
     )  # fmt: skip
-    _check(q, cache, interpret=False, tuning=GpuTuning(tile="block"))
+    _check(q, cache, interpret=False, tuning=GpuTuning(tile="block", n_groups=1))

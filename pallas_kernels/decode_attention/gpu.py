@@ -132,29 +132,48 @@ def _unpack_cols(byte_tile, bits: int):
     return c.reshape(r, n * per)
 
 
-def _unpack_rows_f32(byte_tile, bits: int):
-    """uint8 [r, n] -> float32 [r * per, n] holding 128 + code (row order as _unpack_rows).
+def _interleave_last(fields):
+    """[f0, ..., f_{n-1}] (n a power of two), each [.., m] -> [.., m * n], element k*n + j = f_j[k].
 
-    The code is shifted straight into bits 16.. of the float32 mantissa and OR-ed with the
-    bits of 128.0: (x << (16 - bits*j)) & (mask << 16) | 0x43000000 is exactly 128 + c, two
-    integer instructions per value and no int->float conversion.
+    Nested 2-way stacks (Triton joins): stack(stack(f0, f2), stack(f1, f3)) is [.., 2, 2] whose
+    flattened index 2a + b holds f_{2a + b}. Joins keep each thread's elements contiguous.
     """
-    per = 8 // bits
-    r, n = byte_tile.shape
-    x = jnp.broadcast_to(byte_tile.astype(jnp.int32)[:, None, :], (r, per, n))
-    shift = 16 - lax.broadcasted_iota(jnp.int32, (r, per, n), 1) * bits
-    f = (lax.shift_left(x, shift) & (((1 << bits) - 1) << 16)) | 0x43000000
-    return lax.bitcast_convert_type(f, jnp.float32).reshape(r * per, n)
+    shape = fields[0].shape
+    while len(fields) > 1:
+        half = len(fields) // 2
+        fields = [jnp.stack([fields[i], fields[i + half]], axis=-1) for i in range(half)]
+    out = fields[0]
+    return out.reshape(*shape[:-1], math.prod(out.shape[len(shape) - 1 :]))
+
+
+def _repeat_last(x, times: int):
+    """[.., m] -> [.., m * times], each element repeated `times` times (a power of two)."""
+    while times > 1:
+        x = _interleave_last([x, x])
+        times //= 2
+    return x
+
+
+def _magic_fields(x, bits: int):
+    """int32 bytes -> the 8 // bits float32 fields 128 + c (two integer ops each, no I2F)."""
+    return [
+        lax.bitcast_convert_type(
+            (lax.shift_left(x, 16 - bits * j) & (((1 << bits) - 1) << 16)) | 0x43000000,
+            jnp.float32,
+        )
+        for j in range(8 // bits)
+    ]
+
+
+def _unpack_rows_t_f32(byte_tile, bits: int):
+    """uint8 [r, n] (fields along rows) -> float32 [n, r * per] = 128 + code, transposed:
+    column i*per + j holds field j of byte row i."""
+    return _interleave_last(_magic_fields(byte_tile.T.astype(jnp.int32), bits))
 
 
 def _unpack_cols_f32(byte_tile, bits: int):
     """uint8 [r, n] -> float32 [r, n * per] holding 128 + code (column order as _unpack_cols)."""
-    per = 8 // bits
-    r, n = byte_tile.shape
-    x = jnp.broadcast_to(byte_tile.astype(jnp.int32)[:, :, None], (r, n, per))
-    shift = 16 - lax.broadcasted_iota(jnp.int32, (r, n, per), 2) * bits
-    f = (lax.shift_left(x, shift) & (((1 << bits) - 1) << 16)) | 0x43000000
-    return lax.bitcast_convert_type(f, jnp.float32).reshape(r, n * per)
+    return _interleave_last(_magic_fields(byte_tile.astype(jnp.int32), bits))
 
 
 def _as_magic_float(codes, dtype):
@@ -361,12 +380,15 @@ def _block_loops(
     kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kr_ref, vr_ref, o_ref, m_ref, l_ref,
     *, k_bits, v_bits, G, R, n_groups, dtype,
 ):  # fmt: skip
-    """tile="block": each iteration dequantizes a whole [block_t, D] key tile and value tile.
+    """tile="block": each iteration dequantizes a whole key tile K^T [D, block_t] and value
+    tile V [block_t, D], then one tensor-core dot for q.K^T and one for p.V.
 
-    A value is (128 + c) * s + (z - 128 s): the float32 128 + c comes from two integer ops on
-    the code's bits (_unpack_rows_f32), the (z - 128 s) is formed on the small scale tiles, and
-    the group scales reach tile shape by broadcast + reshape; one FMA per value, then a bf16/f16
-    tensor-core dot for q.K^T and one for p.V.
+    A value is (128 + c) * s + (z - 128 s): the float32 128 + c comes from a shift and two
+    logic ops on the code's bits (_magic_fields, no int->float conversion), (z - 128 s) is
+    formed on the small scale tiles, one FMA per value. The fields of a byte are interleaved
+    along the last axis with 2-way joins (keys are unpacked transposed so that their packed axis,
+    tokens, is the last one), and group scales are repeated along it the same way: no 3-D
+    broadcast + reshape, so Triton keeps several contiguous elements per thread.
     """
     kpb = 8 // k_bits
     block_t = n_groups * G
@@ -374,21 +396,25 @@ def _block_loops(
     n_ch = D // G
     q_lo = q.astype(dtype)
 
-    def keys(t0):
-        s = ks_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32)  # [n_groups, D]
-        z = kz_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32)
+    def keys_t(t0):  # K^T [D, block_t], float32
+        s = ks_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32).T  # [D, n_groups]
+        z = kz_ref[pl.ds(t0 // G, n_groups), :].astype(jnp.float32).T
         z = z - 128.0 * s
-        s = jnp.broadcast_to(s[:, None, :], (n_groups, G, D)).reshape(block_t, D)
-        z = jnp.broadcast_to(z[:, None, :], (n_groups, G, D)).reshape(block_t, D)
-        c = _unpack_rows_f32(kc_ref[pl.ds(t0 // kpb, block_t // kpb), :], k_bits)  # [bt, D]
+        if n_groups == 1:
+            s, z = jnp.broadcast_to(s, (D, block_t)), jnp.broadcast_to(z, (D, block_t))
+        else:
+            s, z = _repeat_last(s, G), _repeat_last(z, G)
+        c = _unpack_rows_t_f32(kc_ref[pl.ds(t0 // kpb, block_t // kpb), :], k_bits)
         return c * s + z
 
-    def values(t0):
+    def values(t0):  # V [block_t, D], float32
         s = vs_ref[pl.ds(t0, block_t), :].astype(jnp.float32)  # [block_t, n_ch]
         z = vz_ref[pl.ds(t0, block_t), :].astype(jnp.float32)
         z = z - 128.0 * s
-        s = jnp.broadcast_to(s[:, :, None], (block_t, n_ch, G)).reshape(block_t, D)
-        z = jnp.broadcast_to(z[:, :, None], (block_t, n_ch, G)).reshape(block_t, D)
+        if n_ch == 1:
+            s, z = jnp.broadcast_to(s, (block_t, D)), jnp.broadcast_to(z, (block_t, D))
+        else:
+            s, z = _repeat_last(s, G), _repeat_last(z, G)
         c = _unpack_cols_f32(vc_ref[pl.ds(t0, block_t), :], v_bits)  # [block_t, D]
         return c * s + z
 
@@ -403,16 +429,16 @@ def _block_loops(
 
     def fast_body(blk, carry):
         t0 = blk * block_t
-        scores = _dot(q_lo, keys(t0).astype(dtype))  # [block_h, block_t]
+        scores = _dot_nn(q_lo, keys_t(t0).astype(dtype))  # [block_h, block_t]
         return update(carry, scores, values(t0))
 
     def general_body(blk, carry):
         t0 = blk * block_t
         t_row = t0 + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
         t_col = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)
-        k_res = kr_ref[pl.ds(t0 % R, block_t), :].astype(jnp.float32)
-        k = jnp.where(t0 < qk_end, keys(t0), k_res)  # blocks never straddle qk_end
-        scores = jnp.where(t_row < length, _dot(q_lo, k.astype(dtype)), -jnp.inf)
+        k_res = kr_ref[pl.ds(t0 % R, block_t), :].astype(jnp.float32).T
+        k_t = jnp.where(t0 < qk_end, keys_t(t0), k_res)  # blocks never straddle qk_end
+        scores = jnp.where(t_row < length, _dot_nn(q_lo, k_t.astype(dtype)), -jnp.inf)
         v_res = vr_ref[pl.ds(t0 % R, block_t), :].astype(jnp.float32)
         v = jnp.where(t_col < pv_end, values(t0), v_res)
         v = jnp.where(t_col < length, v, 0.0)  # stale slots may hold anything
