@@ -7,6 +7,9 @@ States are real: built by kivi_jax.prefill and kivi_jax.append from random keys 
 (ragged prompt lengths, then decode steps so residual rings wrap and flushes happen), plus one
 test with random codes, scales and zero points written straight into the layout.
 
+The main GPU grid runs the default tuning; test_group_tile_gpu and test_kernel_tunings_gpu
+run the other tilings.
+
 Tolerance (STYLE.md, after flash-attention's tests): the kernel rounds its tensor-core operands
 (query x key scale, keys, probabilities x value scale, values) to the input dtype and accumulates
 in float32, so it may be at most about twice as far from the float32 reference as a plain
@@ -160,10 +163,11 @@ def test_random_layout_state_interpret(rng):
 @pytest.mark.parametrize(
     "tuning",
     [
-        GpuTuning(k_mode="dequant", v_mode="dequant", num_splits=2),
-        GpuTuning(v_mode="lazy", n_groups=4, num_splits=2),
-        GpuTuning(tile="block", num_splits=2),
-        GpuTuning(tile="block", n_groups=1, num_splits=3),
+        GpuTuning(tile="group", num_splits=2),  # scales folded into q and p
+        GpuTuning(tile="group", k_mode="dequant", v_mode="dequant", num_splits=2),
+        GpuTuning(tile="group", v_mode="lazy", n_groups=4, num_splits=2),
+        GpuTuning(tile="block", n_groups=2, num_splits=2),
+        GpuTuning(tile="block", n_groups=4, num_splits=1),
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
@@ -231,11 +235,11 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
 @pytest.mark.parametrize(
     "tuning",
     [
-        GpuTuning(n_groups=1),
-        GpuTuning(n_groups=4, num_warps=8),
-        GpuTuning(k_mode="dequant", v_mode="dequant"),
-        GpuTuning(v_mode="lazy"),
-        GpuTuning(tile="block"),
+        GpuTuning(tile="group"),
+        GpuTuning(tile="group", n_groups=1),
+        GpuTuning(tile="group", n_groups=4, num_warps=8),
+        GpuTuning(tile="group", k_mode="dequant", v_mode="dequant"),
+        GpuTuning(tile="group", v_mode="lazy"),
         GpuTuning(tile="block", n_groups=2, num_warps=8),
         GpuTuning(tile="block", n_groups=4, num_warps=8),
     ],
@@ -264,3 +268,19 @@ def test_block_tile_gpu(rng, bits, D, n_rep, dtype):
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
     )  # fmt: skip
     _check(q, cache, interpret=False, tuning=GpuTuning(tile="block", n_groups=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("bits", "D", "n_rep", "dtype"),
+    list(itertools.product([(2, 2), (4, 4)], [64, 128], [1, 4], [jnp.bfloat16, jnp.float16])),
+)
+def test_group_tile_gpu(rng, bits, D, n_rep, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    k_bits, v_bits = bits
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=GpuTuning(tile="group"))

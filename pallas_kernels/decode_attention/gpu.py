@@ -4,48 +4,55 @@ One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_
 
     out[b, h] = softmax_t(q[b, h] . K_t / sqrt(D)) @ V   over t in [0, lengths[b])
 
-read straight from the packed KIVI state (layout: ``kivi_jax.cache``; docs/design.md).
-Nothing is dequantized to HBM: every byte of codes, scales, zero points and residual is read
-once, inside the kernel.
+read straight from the packed KIVI state (layout: ``kivi_jax.cache``). Nothing is dequantized
+to HBM: every byte of codes, scales, zero points and residual is read once, inside the kernel.
 
 Grid ``(B, H, S)``: one program per sequence, KV head and token split (flash-decoding). A
 program holds the ``n_rep`` query heads of its KV head as the rows of one tile (zero-padded to
-``block_h >= 16`` rows, the smallest tensor-core operand), walks its token range in blocks of
-``block_t = n_groups * G`` tokens with an online softmax, and writes an unnormalised partial
-output with its running max and sum; ``_merge`` combines the ``S`` partials by log-sum-exp.
+``block_h >= 16`` rows, the smallest tensor-core operand: GQA groups share every byte read),
+walks its token range in blocks of ``block_t = n_groups * G`` tokens with an online softmax
+(base 2, ``log2(e) / sqrt(D)`` folded into q), and writes an unnormalised partial output with
+its running max and sum; ``_merge`` combines the ``S`` partials by log-sum-exp (a few small
+XLA ops). ``S`` is chosen so that ``B * H * S`` is about 4 programs per SM, so batch 1 at long
+context fills the GPU.
 
 Each sequence has three token regions (``l = lengths[b]``, ``R`` the residual length):
 
-* ``[0, Pv)``, ``Pv = max(l - R, 0)``: quantized keys and values. Blocks that lie wholly
-  here run the *fast path*:
-
-  - keys, per-channel groups of G tokens: ``q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd``.
-    The key scale is folded into the query (``qs = q * s_g``, one ``[block_h, D]`` product per
-    G tokens instead of one multiply per value) and the zero point into a per-row bias;
-  - values, per-token groups of G channels: ``sum_t p_t (c_td s_tj + z_tj) =
-    sum_t (p_t s_tj) c_td + sum_t p_t z_tj``: the value scale is folded into the
-    probabilities (one ``[block_h, G]`` product per G x G values) and the zero point into a
-    per-row correction;
-  - codes are never converted to float one by one: ``c | 0x4300`` read as bfloat16 is
-    exactly ``128 + c`` (``c | 0x6400`` as float16 is ``1024 + c``), so a code becomes a
-    tensor-core operand with a shift and a mask-or; the constant ``128 * sum(operand)`` is
-    removed in the per-row bias, computed from the same rounded operand so it cancels
-    exactly. Tensor cores do all multiply-accumulates (fp32 accumulation).
-
-* ``[Pv, Qk)``, ``Qk = l - l % R``: quantized keys, full-precision values (value residual),
+* ``[0, Pv)``, ``Pv = max(l - R, 0)``: quantized keys and values. Blocks wholly inside run the
+  *fast path* (no masks, no residual).
+* ``[Pv, Qk)``, ``Qk = l - l % R``: quantized keys, full-precision values (value residual).
 * ``[Qk, l)``: both in the residual.
 
-  Blocks that touch ``[Pv, l)`` (at most ``(R + block_t) / block_t`` of them per sequence) run
-  the *general path*: keys dequantized per value or read from ``k_residual`` (a block never
-  straddles ``Qk``, because ``block_t`` divides ``R``), values chosen per token between the
-  dequantized codes and ``v_residual`` (token ``t`` at ring slot ``t % R``), tokens ``>= l``
-  masked out. Length-0 sequences produce zeros.
+Blocks that touch ``[Pv, l)`` (at most ``(R + block_t) / block_t`` of them per sequence) run
+the *general path*: keys dequantized or read from ``k_residual`` (a block never straddles
+``Qk``, because ``block_t`` divides ``R``), values chosen per token between the dequantized
+codes and ``v_residual`` (token ``t`` at ring slot ``t % R``), tokens ``>= l`` masked out (and
+their values zeroed, so stale slots cannot inject NaN). Length-0 sequences give zeros.
 
-Codes are unpacked in place: a key byte holds ``kpb`` consecutive tokens of one channel, so a
-``[G / kpb, D]`` byte tile is broadcast to ``[G / kpb, kpb, D]``, shifted and reshaped to
-``[G, D]`` in token order; value bytes hold ``vpb`` consecutive channels and unpack the same
-way along the last axis. Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing
-D; D in {64, 128, 256}; bfloat16 or float16. ``supported_config_reason`` names what is not.
+Two tilings (``GpuTuning.tile``), identical results up to rounding:
+
+* ``"block"`` (default, fastest measured): per iteration one key tile ``K^T [D, block_t]`` and
+  one value tile ``V [block_t, D]`` dequantized per value, then one tensor-core dot for
+  ``q . K^T`` and one for ``p . V`` (fp32 accumulation). A code becomes the float32
+  ``128 + c`` with a shift and two logic ops on its bits (``c << 16 | 0x43000000``: no int to
+  float conversion), and the value is ``(128 + c) * s + (z - 128 s)``, one FMA, with
+  ``z - 128 s`` formed on the small scale tiles. The fields of each byte are interleaved along
+  the tile's last axis with 2-way joins (keys are unpacked transposed, so their packed axis,
+  tokens, is the last one) and the group scales are repeated along it the same way; this keeps
+  several contiguous elements per thread (a 3-D broadcast + reshape left one element per
+  thread and 16-bit shared-memory traffic: 12.6 against 9.3 SASS instructions per value).
+* ``"group"``: sub-tiles of G tokens (keys) and G x G (values), with ``k_mode`` / ``v_mode``:
+  ``"fold"`` folds the key scale into the query (``q . k_t = sum_d (q_d s_gd) c_td +
+  sum_d q_d z_gd``, one ``[block_h, D]`` product per G tokens) and the value scale into the
+  probabilities (``sum_t (p_t s_tj) c_td + sum_t p_t z_tj``), with codes fed to the tensor
+  cores as ``c | 0x4300`` read as bfloat16 (exactly ``128 + c``; ``0x6400`` / 1024 for
+  float16) and the constant removed in a per-row bias computed from the same rounded operand;
+  ``"dequant"`` dequantizes per value. On the H200 the folds cost more than they save: the
+  per-group row reductions and broadcasts turn into warp shuffles and shared-memory layout
+  conversions (docs/performance.md has the numbers).
+
+Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
+bfloat16 or float16 queries. ``supported_config_reason`` names what is not.
 """
 
 from __future__ import annotations
@@ -75,18 +82,22 @@ class GpuTuning:
       Lowered to a power of two dividing gcd(R, C) / G when needed.
     num_splits: token splits per (sequence, KV head); None picks enough programs to fill the GPU.
     target_programs: programs aimed for when num_splits is None (132 SMs on an H200).
+
+    The defaults are the fastest of the H200 sweeps in benchmarks/results (tile="block" with
+    n_groups=1, num_warps=4 and with n_groups=2, num_warps=8 tie within 2%; the former is the
+    one the GPU test grid ran).
     """
 
-    n_groups: int = 2
+    n_groups: int = 1
     num_splits: int | None = None
     target_programs: int = 4 * 132
     num_warps: int = 4
     num_stages: int = 2
+    # "block": whole [block_t, D] tiles dequantized per value, one dot each (module doc);
+    # "group": G-token / G x G sub-tiles, where k_mode and v_mode apply.
+    tile: str = "block"
     k_mode: str = "fold"  # "fold": key scale into the query; "dequant": per value
     v_mode: str = "fold"  # "fold" / "lazy" (zero-point sums deferred) / "dequant": per value
-    # "group": one G x G / G x D sub-tile at a time (k_mode, v_mode apply); "block": whole
-    # [block_t, D] tiles dequantized per value (128 + c built in the float32 bits), one dot each.
-    tile: str = "group"
 
 
 def supported_config_reason(
@@ -97,8 +108,8 @@ def supported_config_reason(
         return f"k_bits={k_bits}, v_bits={v_bits}: the GPU kernel supports 2 and 4 bits"
     if group_size < 16 or group_size & (group_size - 1):
         return f"group_size={group_size}: the GPU kernel needs a power of two >= 16"
-    if head_dim not in (64, 128, 256):
-        return f"head_dim={head_dim}: the GPU kernel supports 64, 128 and 256"
+    if head_dim not in (64, 128):
+        return f"head_dim={head_dim}: the GPU kernel supports 64 and 128"
     if head_dim % group_size:
         return f"group_size={group_size} does not divide head_dim={head_dim}"
     if jnp.dtype(dtype) not in _MAGIC_BITS:
