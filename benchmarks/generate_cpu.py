@@ -23,10 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kivi_jax.models.llama import param_bytes
 
 import kivi_jax
 from kivi_jax.generate import TokenStream, resolve_kv
-from kivi_jax.models.llama import param_bytes
 
 HERE = pathlib.Path(__file__).resolve().parent
 # Published on this machine in the issue (2 threads, 2k prompt), for context.

@@ -72,9 +72,19 @@ def decode_attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     check_decode_inputs(q, cache)
+    if impl == "reference":
+        return decode_attention_reference(q, cache)
+    # Imported here so that `import kivi_jax` does not pull in Pallas.
+    from kivi_jax.pallas_kernels.decode_attention import gpu
+
     if impl == "pallas":
-        raise NotImplementedError(
-            "impl='pallas': no fused decode kernel is available in this build yet; "
-            "use impl='reference' or 'auto'"
-        )
+        if not interpret and jax.default_backend() != "gpu":
+            raise NotImplementedError(
+                f"impl='pallas': the fused kernel runs on a CUDA GPU (backend here: "
+                f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
+            )
+        return gpu.decode_attention_pallas(q, cache, interpret=interpret)
+    # "auto": the kernel where it applies, else the reference.
+    if jax.default_backend() == "gpu" and gpu.unsupported_reason(q, cache) is None:
+        return gpu.decode_attention_pallas(q, cache, interpret=interpret)
     return decode_attention_reference(q, cache)

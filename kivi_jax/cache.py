@@ -251,20 +251,25 @@ def _check_kv(cache: Cache, k: jax.Array, v: jax.Array, *, step: bool) -> None:
         )
 
 
-def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None) -> Cache:
+def prefill(
+    cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None, *, layer=None
+) -> Cache:
     """Adds a chunk of tokens to every sequence.
 
     Args:
-      cache: one layer's cache, empty or already holding tokens.
+      cache: one layer's cache, empty or already holding tokens (with `layer`: a stacked cache).
       k, v: [batch, seq, kv_heads, head_dim], cast to the cache dtype.
       lengths: [batch] ints, how many of the `seq` positions of each row are real (right padding);
         default: all of them.
+      layer: optional int (may be traced). The cache is then stacked (made with num_layers) and
+        only this layer is written, in place under jit: a model's layer scan can carry the whole
+        stacked cache and update it without copying it.
 
     Returns:
       The cache holding the new tokens after the old ones: exactly the state that appending them
       one at a time would give (chunked prefill, multi-turn chat).
     """
-    _check_stacked(cache, stacked=False)
+    _check_stacked(cache, stacked=layer is not None)
     _check_kv(cache, k, v, step=False)
     seq = k.shape[1]
     if lengths is None:
@@ -284,22 +289,26 @@ def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None 
                     f"{np.asarray(counts)[bad].tolist()}"
                 )
         counts = jnp.clip(counts.astype(jnp.int32), 0, seq)
-    return _extend(cache, k, v, counts)
+    return _extend(cache, k, v, counts, layer)
 
 
-def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = None) -> Cache:
+def append(
+    cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = None, *, layer=None
+) -> Cache:
     """Adds one decode step's key and value to every active sequence.
 
     Args:
-      cache: one layer's cache.
+      cache: one layer's cache (with `layer`: a stacked cache).
       k, v: [batch, kv_heads, head_dim].
       active: [batch] bools; rows that are False are left untouched. Default: all rows.
+      layer: optional int (may be traced): update only this layer of a stacked cache, in place
+        (see `prefill`).
 
     Returns:
       The updated cache, any flush included (the order of KIVI's Algorithm 1: decode_attention
       afterwards reads the state that holds the new token).
     """
-    _check_stacked(cache, stacked=False)
+    _check_stacked(cache, stacked=layer is not None)
     _check_kv(cache, k, v, step=True)
     if active is None:
         counts = jnp.ones((cache.batch,), jnp.int32)
@@ -311,12 +320,12 @@ def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = 
                 f"{active.dtype}{list(active.shape)}"
             )
         counts = active.astype(jnp.int32)
-    return _extend(cache, k[:, None], v[:, None], counts)
+    return _extend(cache, k[:, None], v[:, None], counts, layer)
 
 
-def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
-    """Appends counts[b] tokens of k, v [B, S, H, D] to each row b."""
-    old = cache.lengths
+def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, layer) -> Cache:
+    """Appends counts[b] tokens of k, v [B, S, H, D] to each row b (of one layer if given)."""
+    old = cache.lengths if layer is None else cache.lengths[layer]
     if _is_concrete(old, counts):
         new = np.asarray(old) + np.asarray(counts)
         bad = np.flatnonzero(new > cache.max_len)
@@ -325,14 +334,14 @@ def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cach
                 f"cache capacity exceeded: max_len={cache.max_len}, but rows {bad.tolist()} "
                 f"would hold {new[bad].tolist()} tokens"
             )
-    return _extend_jit(cache, k, v, counts)
+    return _extend_jit(cache, k, v, counts, layer)
 
 
 @jax.jit
-def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
-    old = cache.lengths
+def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, layer) -> Cache:
+    read = (lambda x: x) if layer is None else (lambda x: x[layer])
+    old = read(cache.lengths)
     fits = jnp.minimum(counts, cache.max_len - old)
-    overflow = cache.overflow | (fits < counts)
     new = old + fits
     # [B, S, H, D] -> [B, H, S, D], the cache's heads-major order.
     k = jnp.swapaxes(k, 1, 2).astype(cache.dtype)
@@ -340,14 +349,14 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> 
     if isinstance(cache, FullCache):
         pos = old[:, None] + jnp.arange(k.shape[2])  # [B, S]
         pos = _drop_unless(pos < new[:, None], pos)
-        return dataclasses.replace(
-            cache,
-            k=_scatter(cache.k, pos, k),
-            v=_scatter(cache.v, pos, v),
-            lengths=new,
-            overflow=overflow,
-        )
-    return _extend_kivi(cache, k, v, old, new, overflow)
+        scatters, replaced = dict(k=(pos, k), v=(pos, v)), {}
+    else:
+        scatters, replaced = _extend_kivi(cache, read, k, v, old, new)
+    replaced.update(lengths=new, overflow=read(cache.overflow) | (fits < counts))
+    updates = {name: _scatter(getattr(cache, name), *w, layer) for name, w in scatters.items()}
+    for name, value in replaced.items():
+        updates[name] = value if layer is None else getattr(cache, name).at[layer].set(value)
+    return dataclasses.replace(cache, **updates)
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).
@@ -358,13 +367,18 @@ def _drop_unless(valid: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(valid, index, _DROP)
 
 
-def _scatter(buf: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+def _scatter(buf: jax.Array, index: jax.Array, values: jax.Array, layer=None) -> jax.Array:
     """buf[b, :, index[b, j]] = values[b, :, j] per row b; writes at index _DROP are discarded.
 
-    buf [B, H, N, ...], index [B, J], values [B, H, J, ...].
+    buf [B, H, N, ...] (or [L, B, H, N, ...], written at `layer` only), index [B, J],
+    values [B, H, J, ...].
     """
-    row = lambda x, i, u: x.at[:, i].set(u, mode="drop")
-    return jax.vmap(row)(buf, index, values)
+    if layer is None:
+        row = lambda x, i, u: x.at[:, i].set(u, mode="drop")
+        return jax.vmap(row)(buf, index, values)
+    rows = jnp.arange(index.shape[0])[:, None]
+    # Advanced indices (layer, rows, index) around a slice: the update is [B, J, H, ...].
+    return buf.at[layer, rows, :, index].set(jnp.moveaxis(values, 2, 1), mode="drop")
 
 
 def _gather(buf: jax.Array, index: jax.Array) -> jax.Array:
@@ -398,12 +412,13 @@ def _residual(win: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:
 
 def _extend_kivi(
     cache: KiviCache,
+    read,  # one layer's view of a cache array
     k: jax.Array,  # [B, H, S, D]
     v: jax.Array,  # [B, H, S, D]
     old: jax.Array,  # [B] lengths before
     new: jax.Array,  # [B] lengths after
-    overflow: jax.Array,
-) -> KiviCache:
+):
+    """The writes that add the new tokens: (scatters {field: (index, values)}, {field: value})."""
     cfg = cache.config
     g, r, dtype = cfg.group_size, cfg.residual_length, cache.dtype
     seq = k.shape[2]
@@ -414,16 +429,16 @@ def _extend_kivi(
     width = r + _round_up(seq, g)
     j = jnp.arange(width)
     slot = jnp.broadcast_to(j % r, (cache.batch, width))
-    win = _window(cache.k_residual, slot, old - q0, k, width)  # [B, H, width, D]
+    win = _window(read(cache.k_residual), slot, old - q0, k, width)  # [B, H, width, D]
     codes, scale, zero = quantization.quantize(win, cfg.k_bits, g, axis=2, dtype=dtype)
     packed = quantization.pack_codes(codes, cfg.k_bits, axis=2)  # [B, H, width // kpb, D]
     kpb = quantization.codes_per_byte(cfg.k_bits)
     jb, jg = jnp.arange(width // kpb), jnp.arange(width // g)
     byte_pos = _drop_unless(jb[None] * kpb < (q1 - q0)[:, None], q0[:, None] // kpb + jb[None])
     group_pos = _drop_unless(jg[None] * g < (q1 - q0)[:, None], q0[:, None] // g + jg[None])
-    k_codes = _scatter(cache.k_codes, byte_pos, packed)
-    k_scale = _scatter(cache.k_scale, group_pos, scale)
-    k_zero = _scatter(cache.k_zero, group_pos, zero)
+    scatters = dict(
+        k_codes=(byte_pos, packed), k_scale=(group_pos, scale), k_zero=(group_pos, zero)
+    )
     # Slot s now holds token q1 + s (window index q1 - q0 + s) while that token is held.
     s = jnp.arange(r)
     k_residual = _residual(win, (q1 - q0)[:, None] + s, s < (new - q1)[:, None])
@@ -434,26 +449,15 @@ def _extend_kivi(
     width = r + seq
     j = jnp.arange(width)
     pos = p0[:, None] + j[None]  # [B, width] absolute token positions
-    win = _window(cache.v_residual, pos % r, old - p0, v, width)
+    win = _window(read(cache.v_residual), pos % r, old - p0, v, width)
     codes, scale, zero = quantization.quantize(win, cfg.v_bits, g, axis=3, dtype=dtype)
     packed = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, width, D // vpb]
     out = _drop_unless(pos < p1[:, None], pos)
     # Slot s now holds the token t in [p1, p1 + R) with t % R == s, while t < new.
     t = p1[:, None] + (s[None] - p1[:, None]) % r  # [B, R]
     v_residual = _residual(win, t - p0[:, None], t < new[:, None])
-    return dataclasses.replace(
-        cache,
-        k_codes=k_codes,
-        k_scale=k_scale,
-        k_zero=k_zero,
-        v_codes=_scatter(cache.v_codes, out, packed),
-        v_scale=_scatter(cache.v_scale, out, scale),
-        v_zero=_scatter(cache.v_zero, out, zero),
-        k_residual=k_residual,
-        v_residual=v_residual,
-        lengths=new,
-        overflow=overflow,
-    )
+    scatters.update(v_codes=(out, packed), v_scale=(out, scale), v_zero=(out, zero))
+    return scatters, dict(k_residual=k_residual, v_residual=v_residual)
 
 
 def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:

@@ -24,12 +24,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.rope import apply_rope, rope_angles
 
 from kivi_jax.attention import decode_attention
 from kivi_jax.cache import append as cache_append
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.models.config import LlamaConfig
-from kivi_jax.models.rope import apply_rope, rope_angles
 
 
 @flax.struct.dataclass

@@ -300,3 +300,39 @@ def test_packed_layout_matches_the_documented_bit_order(rng):
     codes, _, _ = qz.quantize(jnp.swapaxes(k, 1, 2)[:, :, :4], 2, 4, axis=2, dtype=jnp.float32)
     byte0 = sum(codes[0, 0, i].astype(jnp.int32) << (2 * i) for i in range(4))
     np.testing.assert_array_equal(cache.k_codes[0, 0, 0], byte0)
+
+
+@pytest.mark.parametrize("config", [None, CONFIGS[0]])
+def test_layer_indexed_writes_equal_per_layer_writes(rng, config):
+    stacked = _cache(config, batch=2, heads=2, num_layers=3)
+    k, v = random_kv(rng, 2, 11, 2, 8)
+    stacked = kj.prefill(stacked, k[:, :10], v[:, :10], lengths=jnp.array([10, 6]), layer=1)
+    stacked = jax.jit(kj.append)(stacked, k[:, 10], v[:, 10], layer=jnp.int32(1))
+    alone = kj.prefill(
+        _cache(config, batch=2, heads=2), k[:, :10], v[:, :10], lengths=jnp.array([10, 6])
+    )
+    alone = kj.append(alone, k[:, 10], v[:, 10])
+    assert tree_equal(kj.layer(stacked, 1), alone)
+    assert tree_equal(kj.layer(stacked, 0), _cache(config, batch=2, heads=2))
+    with pytest.raises(ValueError, match="no layer axis"):
+        kj.append(alone, k[:, 0], v[:, 0], layer=0)
+
+
+@pytest.mark.parametrize("layer", [None, 2])
+def test_a_jitted_append_does_not_copy_the_cache(layer):
+    # With the cache donated, a step's scratch memory is its window of R + G tokens, whatever the
+    # capacity. (float32: XLA on the CPU widens bfloat16 scatters to float32, a CPU-only copy.)
+    def scratch_bytes(max_len):
+        cache = _cache(
+            kj.KIVI2,
+            batch=2,
+            max_len=max_len,
+            heads=2,
+            head_dim=64,
+            num_layers=None if layer is None else 4,
+        )
+        k = jnp.ones((2, 2, 64))
+        step = jax.jit(lambda c, k, v: kj.append(c, k, v, layer=layer), donate_argnums=0)
+        return step.lower(cache, k, k).compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch_bytes(4096) == scratch_bytes(32768)

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.rope import apply_rope, rope_angles
 from tiny_model import tiny_config, tiny_params
 
 import kivi_jax
-from kivi_jax.models.config import LlamaConfig
-from kivi_jax.models.rope import apply_rope, rope_angles
 
 
 def numpy_llama(params, tokens: np.ndarray) -> np.ndarray:

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
-
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, init_params
+from tokenizers import decoders, models, pre_tokenizers
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols

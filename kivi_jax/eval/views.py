@@ -1,0 +1,118 @@
+"""Prompt attention over the K/V that a cache would show: the building block of the studies.
+
+Each function has the signature of the model's prompt attention,
+
+    attention(q [B, S, N, D], k [B, S, H, D], v [B, S, H, D], lengths [B]) -> [B, S, N, D],
+
+causal, query head n reading KV head n // (N // H), padded keys (t >= lengths[b]) ignored.
+
+- `StreamingAttention(config)`: query i sees exactly what the streaming KIVI cache holds after
+  token i was appended (keys [0, Qk) and values [0, Pv) quantized, the rest full precision), so one
+  forward pass equals teacher-forced decoding through the cache. This works because a token's
+  quantized key (its group of G tokens, formed at a flush) and quantized value (formed when it
+  leaves the window) never change once made.
+- `FakeQuantAttention(k_grouping, v_grouping, bits)`: the paper's Table 1 fake quantization:
+  the whole sequence's K and V quantize-dequantized along one axis in groups of G, no residual.
+- `FullAttention()`: no quantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kivi_jax.analysis import Grouping
+from kivi_jax.config import KiviConfig
+from kivi_jax.quantization import fake_quantize
+
+
+def _pad_tokens(x: jax.Array, multiple: int) -> jax.Array:
+    """Pads axis 1 to a multiple by repeating the last token (a partial group keeps its range)."""
+    pad = -x.shape[1] % multiple
+    return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else x
+
+
+def quantize_tokens(x: jax.Array, bits: int, group_size: int, grouping: Grouping, dtype):
+    """x [B, S, H, D] quantize-dequantized in `dtype`, grouped per token or per channel."""
+    x = x.astype(dtype)
+    if grouping is Grouping.PER_TOKEN:
+        return fake_quantize(x, bits, group_size, axis=3)
+    return fake_quantize(_pad_tokens(x, group_size), bits, group_size, axis=1)[:, : x.shape[1]]
+
+
+def _two_candidate_attention(q, k_a, k_b, v_a, v_b, use_k_a, use_v_a, lengths):
+    """softmax over t of q_i . (k_a if use_k_a[i, t] else k_b), times (v_a if use_v_a else v_b).
+
+    q [B, S, N, D]; k_*, v_* [B, S, H, D]; use_* [S, S] bools (query i, key t); causal and padded
+    keys masked. float32 throughout.
+    """
+    b, s, n, d = q.shape
+    h = k_a.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, s, h, n // h, d)  # [B, S, H, rep, D]
+    scale = 1.0 / math.sqrt(d)
+    hi = jax.lax.Precision.HIGHEST
+    score = lambda k: jnp.einsum("bihrd,bthd->bhrit", qg, k.astype(jnp.float32), precision=hi)
+    scores = jnp.where(use_k_a, score(k_a), score(k_b)) * scale  # [B, H, rep, S, S]
+    i, t = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    allowed = (t <= i) & (t < lengths[:, None, None, None, None])
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    p = jnp.where(allowed, p, 0.0)  # rows with no key (padding queries) give zeros, not NaN
+    mix = lambda mask, v: jnp.einsum(
+        "bhrit,bthd->bihrd", jnp.where(mask, p, 0.0), v.astype(jnp.float32), precision=hi
+    )
+    out = mix(use_v_a, v_a) + mix(~use_v_a, v_b)
+    return out.reshape(b, s, n, d).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingAttention:
+    """Prompt attention that sees the streaming KIVI cache's state at each query (module doc)."""
+
+    config: KiviConfig
+    cache_dtype: object = jnp.float32
+
+    def __call__(self, q, k, v, lengths):
+        cfg, s = self.config, q.shape[1]
+        kq = quantize_tokens(k, cfg.k_bits, cfg.group_size, Grouping.PER_CHANNEL, self.cache_dtype)
+        vq = quantize_tokens(v, cfg.v_bits, cfg.group_size, Grouping.PER_TOKEN, self.cache_dtype)
+        held = jnp.arange(s)[:, None] + 1  # [S, 1]: the cache length when query i attends
+        t = jnp.arange(s)[None, :]
+        r = cfg.residual_length
+        keys_quantized = t < held - held % r  # [S, S]
+        values_quantized = t < held - r
+        k, v = k.astype(self.cache_dtype), v.astype(self.cache_dtype)
+        return _two_candidate_attention(q, kq, k, vq, v, keys_quantized, values_quantized, lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeQuantAttention:
+    """The paper's Table 1: K and V quantize-dequantized along one axis, groups of G, no residual.
+
+    A grouping of None leaves that tensor in full precision.
+    """
+
+    k_grouping: Grouping | None
+    v_grouping: Grouping | None
+    bits: int
+    group_size: int = 32
+
+    def __call__(self, q, k, v, lengths):
+        fq = lambda x, g: (
+            x if g is None else quantize_tokens(x, self.bits, self.group_size, g, jnp.float32)
+        )
+        k, v = fq(k, self.k_grouping), fq(v, self.v_grouping)
+        everywhere = jnp.ones((q.shape[1], q.shape[1]), bool)
+        return _two_candidate_attention(q, k, k, v, v, everywhere, everywhere, lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttention:
+    """Unquantized causal attention in float32 (the baseline of the studies)."""
+
+    def __call__(self, q, k, v, lengths):
+        everywhere = jnp.ones((q.shape[1], q.shape[1]), bool)
+        return _two_candidate_attention(q, k, k, v, v, everywhere, everywhere, lengths)

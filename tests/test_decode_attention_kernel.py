@@ -1,0 +1,286 @@
+"""The fused GPU decode-attention kernel against the reference on fresh random KIVI states.
+
+CPU CI runs the kernel in Pallas interpret mode on small shapes; `pytest -m gpu` runs the
+compiled kernel on a CUDA GPU over the full grid (bits x head_dim x GQA x dtype).
+
+States are real: built by kivi_jax.prefill and kivi_jax.append from random keys and values
+(ragged prompt lengths, then decode steps so residual rings wrap and flushes happen), plus one
+test with random codes, scales and zero points written straight into the layout.
+
+The main GPU grid runs the default tuning; test_group_tile_gpu and test_kernel_tunings_gpu
+run the other tilings.
+
+Tolerance (STYLE.md, after flash-attention's tests): the kernel rounds its tensor-core operands
+(query x key scale, keys, probabilities x value scale, values) to the input dtype and accumulates
+in float32, so it may be at most about twice as far from the float32 reference as a plain
+implementation that rounds the same operands to the same dtype, plus a few units of roundoff of
+the values' scale. Both references read the same dequantized state
+(kivi_jax.cache.dequantized_heads_major), so quantization error never enters the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_jax.pallas_kernels.decode_attention import (
+    GpuTuning,
+    decode_attention_pallas,
+    supported_config_reason,
+)
+
+import kivi_jax
+from kivi_jax.cache import dequantized_heads_major
+
+
+def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
+    """prefill ragged prompts, then `steps` decode appends (every row active)."""
+    B = len(prompts)
+    cache = kivi_jax.init_cache(
+        config, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
+    )
+    seq = max(max(prompts), 1)
+    k = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    k[..., ::8] *= 5.0  # outlier channels, as keys have
+    v = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    cache = kivi_jax.prefill(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(prompts))
+    for _ in range(steps):
+        kt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        cache = kivi_jax.append(cache, kt, vt)
+    return cache
+
+
+def _rounded_reference(q, cache, dtype):
+    """softmax(q.K/sqrt(D)) V with K, V, q/sqrt(D) and p rounded to `dtype` (float32 otherwise)."""
+    rnd = lambda x: np.asarray(jnp.asarray(x, dtype), np.float32)
+    k, v = (np.asarray(x) for x in dequantized_heads_major(cache))  # [B, H, C, D]
+    q = np.asarray(q, np.float32)
+    B, Hq, D = q.shape
+    n_rep = Hq // k.shape[1]
+    out = np.zeros((B, Hq, D), np.float32)
+    for b, length in enumerate(np.asarray(cache.lengths)):
+        if length == 0:
+            continue
+        for h in range(Hq):
+            kk, vv = k[b, h // n_rep, :length], v[b, h // n_rep, :length]
+            s = rnd(kk) @ rnd(q[b, h] / np.sqrt(D))
+            p = np.exp(s - s.max())
+            out[b, h] = (rnd(p) @ rnd(vv)) / p.sum()
+    return out
+
+
+def _check(q, cache, *, interpret, tuning=None):
+    dtype = q.dtype
+    out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or GpuTuning())
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    ref = np.asarray(kivi_jax.decode_attention_reference(q.astype(jnp.float32), cache))
+    ref_lo = _rounded_reference(q, cache, dtype)
+    _, v = dequantized_heads_major(cache)
+    u = float(jnp.finfo(dtype).eps) / 2
+    tol = 2 * np.abs(ref_lo - ref).max() + 4 * u * max(float(jnp.abs(v).max()), 1.0)
+    err = np.abs(out - ref)
+    assert err.max() <= tol, f"max err {err.max():.3g} > tol {tol:.3g}"
+    lengths = np.asarray(cache.lengths)
+    assert (out[lengths == 0] == 0).all()
+
+
+def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R):
+    cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=32, residual_length=R)
+    cache = _real_cache(
+        rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts, steps=steps, dtype=dtype
+    )
+    q = jnp.asarray(rng.normal(size=(len(prompts), H * n_rep, D)).astype(np.float32), dtype)
+    return q, cache
+
+
+# CPU (interpret) grid: each case covers several axes at once (pairwise), a few seconds apiece.
+# Final lengths (prompt + 5 steps: 32, 305, 69, 185) are shorter than R, not multiples of G or
+# of the block, past key flushes and value-ring wraps; test_length_zero_row covers l = 0.
+_CPU_CASES = [
+    # k_bits, v_bits, D, n_rep, dtype
+    (2, 2, 128, 4, jnp.bfloat16),
+    (4, 4, 64, 1, jnp.float16),
+    (2, 4, 64, 3, jnp.bfloat16),
+    (4, 2, 128, 8, jnp.float16),
+    (2, 2, 64, 1, jnp.float16),
+    (4, 4, 128, 3, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype"), _CPU_CASES)
+def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype):
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=2, max_len=400,
+        prompts=[27, 300, 64, 180], steps=5, R=64,
+    )  # fmt: skip
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3))
+
+
+def test_length_zero_row_interpret(rng):
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=64)
+    cache = _real_cache(
+        rng, config=cfg, H=2, D=64, max_len=256, prompts=[0, 97, 200], steps=0,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.bfloat16)
+    _check(q, cache, interpret=True, tuning=GpuTuning(n_groups=1, num_splits=1))
+
+
+def test_random_layout_state_interpret(rng):
+    """Random codes, scales (some zero) and zero points written straight into the layout."""
+    B, H, D, C, R, dtype = 3, 2, 64, 256, 64, jnp.bfloat16
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=R)
+    cache = kivi_jax.init_cache(cfg, batch=B, max_len=C, num_kv_heads=H, head_dim=D, dtype=dtype)
+
+    def like(x, lo, hi):
+        if x.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+        return jnp.asarray(rng.uniform(lo, hi, x.shape).astype(np.float32), x.dtype)
+
+    cache = dataclasses.replace(
+        cache,
+        k_codes=like(cache.k_codes, 0, 0),
+        k_scale=like(cache.k_scale, 0.0, 0.3).at[:, :, 0, :4].set(0),  # constant groups
+        k_zero=like(cache.k_zero, -1, 1),
+        v_codes=like(cache.v_codes, 0, 0),
+        v_scale=like(cache.v_scale, 0.0, 0.3),
+        v_zero=like(cache.v_zero, -1, 1),
+        k_residual=like(cache.k_residual, -2, 2),
+        v_residual=like(cache.v_residual, -2, 2),
+        lengths=jnp.asarray([256, 100, 193], jnp.int32),
+    )
+    q = jnp.asarray(rng.normal(size=(B, 3 * H, D)), dtype)
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        GpuTuning(tile="group", num_splits=2),  # scales folded into q and p
+        GpuTuning(tile="group", k_mode="dequant", v_mode="dequant", num_splits=2),
+        GpuTuning(tile="group", v_mode="lazy", n_groups=4, num_splits=2),
+        GpuTuning(tile="block", n_groups=2, num_splits=2),
+        GpuTuning(tile="block", n_groups=4, num_splits=1),
+    ],
+)
+def test_kernel_variants_interpret(rng, tuning):
+    q, cache = _case(
+        rng, k_bits=2, v_bits=4, D=64, n_rep=3, dtype=jnp.bfloat16, H=2, max_len=384,
+        prompts=[384 - 3, 250], steps=3, R=64,
+    )  # fmt: skip
+    _check(q, cache, interpret=True, tuning=tuning)
+
+
+def test_dispatch(rng):
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=128,
+        prompts=[100, 40], steps=1, R=64,
+    )  # fmt: skip
+    ref = kivi_jax.decode_attention(q, cache, impl="reference")
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(kivi_jax.decode_attention(q, cache), ref)  # auto
+        with pytest.raises(NotImplementedError, match="CUDA GPU"):
+            kivi_jax.decode_attention(q, cache, impl="pallas")
+    out = kivi_jax.decode_attention(q, cache, impl="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=0.05)
+    full = kivi_jax.init_cache(None, batch=2, max_len=128, num_kv_heads=2, head_dim=64)
+    with pytest.raises(NotImplementedError, match="KiviCache"):
+        kivi_jax.decode_attention(q, full, impl="pallas", interpret=True)
+    cfg8 = kivi_jax.KiviConfig(k_bits=8, v_bits=8, group_size=32, residual_length=64)
+    c8 = kivi_jax.init_cache(cfg8, batch=2, max_len=128, num_kv_heads=2, head_dim=64)
+    with pytest.raises(NotImplementedError, match="k_bits=8"):
+        kivi_jax.decode_attention(q, c8, impl="pallas", interpret=True)
+
+
+def test_unsupported_configs_are_named():
+    ok = dict(k_bits=2, v_bits=2, group_size=32, head_dim=128, dtype=jnp.bfloat16)
+    assert supported_config_reason(**ok) is None
+    assert "k_bits=8" in supported_config_reason(**{**ok, "k_bits": 8})
+    assert "head_dim=96" in supported_config_reason(**{**ok, "head_dim": 96})
+    assert "float32" in supported_config_reason(**{**ok, "dtype": jnp.float32})
+    assert "group_size=8" in supported_config_reason(**{**ok, "group_size": 8})
+
+
+_GPU_GRID = list(
+    itertools.product(
+        [(2, 2), (4, 4), (2, 4), (4, 2)],
+        [64, 128],
+        [1, 3, 4, 8],
+        [jnp.bfloat16, jnp.float16],
+    )
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype"), _GPU_GRID)
+def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    k_bits, v_bits = bits
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        GpuTuning(tile="group"),
+        GpuTuning(tile="group", n_groups=1),
+        GpuTuning(tile="group", n_groups=4, num_warps=8),
+        GpuTuning(tile="group", k_mode="dequant", v_mode="dequant"),
+        GpuTuning(tile="group", v_mode="lazy"),
+        GpuTuning(tile="block", n_groups=2, num_warps=8),
+        GpuTuning(tile="block", n_groups=4, num_warps=8),
+    ],
+)
+def test_kernel_tunings_gpu(rng, tuning):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=128, n_rep=4, dtype=jnp.bfloat16, H=8, max_len=4096,
+        prompts=[4000, 3001, 129], steps=9, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("bits", "D", "n_rep", "dtype"),
+    list(itertools.product([(2, 2), (4, 4), (2, 4)], [64, 128], [1, 8], [jnp.float16])),
+)
+def test_block_tile_gpu(rng, bits, D, n_rep, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    k_bits, v_bits = bits
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=GpuTuning(tile="block", n_groups=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("bits", "D", "n_rep", "dtype"),
+    list(itertools.product([(2, 2), (4, 4)], [64, 128], [1, 4], [jnp.bfloat16, jnp.float16])),
+)
+def test_group_tile_gpu(rng, bits, D, n_rep, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    k_bits, v_bits = bits
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
+        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
+    )  # fmt: skip
+    _check(q, cache, interpret=False, tuning=GpuTuning(tile="group"))

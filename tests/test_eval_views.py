@@ -1,0 +1,50 @@
+"""Prompt-attention views: one causal pass equals decoding through the streaming cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_kv
+
+import kivi_jax as kj
+from kivi_jax.analysis import Grouping
+from kivi_jax.eval import views
+
+STREAMING_CONFIGS = [
+    kj.KiviConfig(group_size=4, residual_length=8),
+    kj.KiviConfig(k_bits=4, v_bits=2, group_size=4, residual_length=4),
+]
+
+
+@pytest.mark.parametrize("config", STREAMING_CONFIGS)
+def test_streaming_view_equals_teacher_forced_decode_through_the_cache(rng, config):
+    seq, heads, rep, d = 21, 2, 2, 8
+    k, v = random_kv(rng, 1, seq, heads, d, outliers=True)
+    q = jnp.asarray(rng.normal(size=(1, seq, heads * rep, d)), jnp.float32)
+    view = views.StreamingAttention(config)(q, k, v, jnp.array([seq]))
+    cache = kj.init_cache(
+        config, batch=1, max_len=seq, num_kv_heads=heads, head_dim=d, dtype=jnp.float32
+    )
+    for i in range(seq):
+        cache = kj.append(cache, k[:, i], v[:, i])
+        step = kj.decode_attention(q[:, i], cache, impl="reference")
+        np.testing.assert_allclose(view[:, i], step, rtol=1e-5, atol=1e-5, err_msg=f"query {i}")
+
+
+def test_full_view_is_causal_attention_and_ignores_padding(rng):
+    k, v = random_kv(rng, 2, 12, 2, 8)
+    q = jnp.asarray(rng.normal(size=(2, 12, 6, 8)), jnp.float32)
+    lengths = jnp.array([12, 7])
+    out = views.FullAttention()(q, k, v, lengths)
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
+    np.testing.assert_allclose(out[0], expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[1, :7], expected[1, :7], rtol=1e-5, atol=1e-5)
+    unquantized = views.FakeQuantAttention(None, None, bits=2)(q, k, v, lengths)
+    np.testing.assert_array_equal(unquantized, out)
+
+
+def test_per_channel_grouping_of_a_partial_group_uses_only_real_tokens():
+    # 6 tokens, G = 4: the second group holds tokens 4-5 only (padding repeats token 5).
+    x = jnp.arange(6.0).reshape(1, 6, 1, 1) * jnp.ones((1, 1, 1, 4))
+    out = views.quantize_tokens(x, 2, 4, Grouping.PER_CHANNEL, jnp.float32)
+    np.testing.assert_array_equal(out[0, 4:, 0, 0], [4.0, 5.0])  # exact: range [4, 5]
