@@ -163,3 +163,15 @@ def test_saved_model_with_bad_marker(tmp_path):
     with pytest.raises(ModelLoadError, match="unknown saved-model format"):
         kivi_jax.load_model(tmp_path)
     assert os.path.isdir(tmp_path)
+
+
+def test_hf_directory_with_bfloat16_safetensors(tmp_path):
+    """Checkpoints are usually stored in bfloat16, which numpy cannot hold: read them via flax."""
+    from safetensors.flax import load_file, save_file
+
+    params = tiny_params(tie_embeddings=False)
+    write_hf_dir(str(tmp_path), params)
+    file = str(tmp_path / "model.safetensors")
+    save_file({k: v.astype(jnp.bfloat16) for k, v in load_file(file).items()}, file)
+    model = kivi_jax.load_model(tmp_path, dtype=jnp.float32)
+    assert_same_logits(model.params, params.astype(jnp.bfloat16).astype(jnp.float32), atol=1e-5)
