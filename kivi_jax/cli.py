@@ -110,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     err.write(f" {stream.stats.compile_s:.1f}s\n")
     err.flush()
 
-    out, generated, printed = sys.stdout, [], ""
+    out, generated, printed, stop = sys.stdout, [], "", ""
     for step in stream:
         token = int(step[0])
         if token == tok.eos_id:
+            stop = " (the last one EOS)"
             break
         generated.append(token)
         text = tok.decode(generated)
@@ -128,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     s = stream.stats
     ratio = s.kv_full_bytes / s.kv_bytes if s.kv_bytes else float("nan")
     err.write(
-        f"\n--- {len(ids)} prompt tokens, {s.generated_tokens} generated (EOS included)"
+        f"\n--- {len(ids)} prompt tokens, {s.generated_tokens} generated{stop}"
         f" | prefill {s.prefill_tokens_per_s:.1f} tok/s ({s.prefill_s:.2f}s)"
         f" | decode {s.decode_tokens_per_s:.1f} tok/s"
         f" | load {load_s:.1f}s, compile {s.compile_s:.1f}s\n"
-        f"--- KV cache ({args.kv}, capacity {len(ids) + args.max_new_tokens} tokens): "
+        f"--- KV cache ({args.kv}, capacity {s.kv_capacity} tokens): "
         f"{_mib(s.kv_bytes)} vs {_mib(s.kv_full_bytes)} in full precision ({ratio:.2f}x)\n"
     )
     return 0

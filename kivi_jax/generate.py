@@ -261,6 +261,7 @@ class StreamStats:
     decode_s: float = 0.0  # every later token
     kv_bytes: int = 0
     kv_full_bytes: int = 0  # the same capacity as an unquantized cache in the params dtype
+    kv_capacity: int = 0  # tokens per sequence the cache can hold
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -307,6 +308,7 @@ class TokenStream:
             prompt_tokens=int(np.asarray(self.lengths).sum()),
             kv_bytes=report.total_bytes,
             kv_full_bytes=report.full_precision_bytes,
+            kv_capacity=cache.max_len,
         )
         t0 = time.perf_counter()
         key = jax.random.key(seed)
