@@ -17,9 +17,16 @@ def test_wheel_installs_only_the_kivi_jax_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"kivi_jax", next(t for t in top if t.endswith(".dist-info"))}
-    # models/ and pallas_kernels/ of the repository install under kivi_jax.
-    assert "kivi_jax/models/__init__.py" in names
-    assert "kivi_jax/pallas_kernels/__init__.py" in names
+    # Every package of the repository is in the wheel; models/ and pallas_kernels/ under kivi_jax.
+    installed_as = {
+        "kivi_jax": "kivi_jax",
+        "models": "kivi_jax/models",
+        "pallas_kernels": "kivi_jax/pallas_kernels",
+    }
+    for top_dir, target in installed_as.items():
+        for init in (ROOT / top_dir).rglob("__init__.py"):
+            relative = init.relative_to(ROOT / top_dir).as_posix()
+            assert f"{target}/{relative}" in names, f"{top_dir}/{relative} is not packaged"
 
 
 def test_repository_folders_import_under_kivi_jax():
