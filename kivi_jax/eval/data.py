@@ -1,0 +1,71 @@
+"""Evaluation inputs: real English prose that ships with the machine, and passkey prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+# Debian's base-files package installs the licence texts; the GPL-3 is ~35k characters of prose.
+DEFAULT_PROSE = pathlib.Path("/usr/share/common-licenses/GPL-3")
+
+
+def prose_tokens(tokenizer, *, path=None, max_tokens: int | None = None) -> tuple[list[int], str]:
+    """Tokens of a prose file (default: the GPL-3 licence text) and the source's name.
+
+    Raises FileNotFoundError naming the file when it is missing, and ValueError when it holds
+    fewer than `max_tokens` tokens (a study never silently runs on less text than asked).
+    """
+    path = pathlib.Path(path) if path is not None else DEFAULT_PROSE
+    if not path.is_file():
+        raise FileNotFoundError(f"prose file not found: {path} (pass --text FILE)")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    if max_tokens is not None:
+        if len(ids) < max_tokens:
+            raise ValueError(f"{path} has {len(ids)} tokens, fewer than the {max_tokens} asked for")
+        ids = ids[:max_tokens]
+    return ids, str(path)
+
+
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n"
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyPrompt:
+    tokens: list[int]
+    key: str
+    length: int  # target length in tokens
+    depth: float  # where the needle sits, as a fraction of the filler
+
+
+def passkey_prompt(tokenizer, *, length: int, depth: float, rng: np.random.Generator):
+    """A prompt of about `length` tokens with a random 5-digit key hidden at `depth` in filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    key = str(rng.integers(10_000, 100_000))
+    fixed = len(tokenizer.encode(INTRO + NEEDLE.format(key=key) + QUESTION))
+    per_filler = len(tokenizer.encode(FILLER * 10)) / 10
+    n = max(int((length - fixed) / per_filler), 1)
+    before = round(n * depth)
+    text = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n - before) + QUESTION
+    return PasskeyPrompt(tokens=tokenizer.encode(text), key=key, length=length, depth=depth)
+
+
+def passkey_correct(answer: str, key: str) -> bool:
+    """The first run of digits in the answer is exactly the key."""
+    digits = ""
+    for ch in answer:
+        if ch.isdigit():
+            digits += ch
+        elif digits:
+            break
+    return digits == key
