@@ -1,0 +1,84 @@
+"""On a GPU, the model's decode steps run the fused kernel and agree with the reference.
+
+Run on the H200 with `pytest -m gpu`; skipped elsewhere.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_jax.models import llama
+from tiny_model import tiny_params
+
+import kivi_jax
+from kivi_jax.generate import resolve_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+BATCH, PROMPT, STEPS, MAX_LEN = 2, 200, 140, 512
+
+
+def _teacher_forced_logits(params, kv, impl, monkeypatch):
+    """Logits of STEPS decode steps fed random tokens, with decode_attention(impl=impl)."""
+    monkeypatch.setattr(
+        llama, "decode_attention", functools.partial(kivi_jax.decode_attention, impl=impl)
+    )
+    c = params.config
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, c.vocab_size, size=(BATCH, PROMPT + STEPS)), jnp.int32)
+    lengths = jnp.array([PROMPT, PROMPT - 50], jnp.int32)
+    cache = kivi_jax.init_cache(
+        resolve_kv(kv),
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=jnp.bfloat16,
+        num_layers=c.num_layers,
+    )
+    _, cache = jax.jit(lambda p, t, n, s: llama.prefill(p, t, n, s))(
+        params, tokens[:, :PROMPT], lengths, cache
+    )
+    step = jax.jit(lambda p, t, pos, s: llama.decode_step(p, t, pos, s))  # traced per impl
+    logits = []
+    for t in range(STEPS):  # crosses the key flush at R = 128 for both rows
+        out, cache = step(params, tokens[:, PROMPT + t], lengths + t, cache)
+        logits.append(out)
+    return jnp.stack(logits)
+
+
+@pytest.mark.parametrize("kv", ["kivi2", "kivi4"])
+def test_decode_with_the_kernel_matches_the_reference(monkeypatch, kv):
+    params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
+    reference = _teacher_forced_logits(params, kv, "reference", monkeypatch)
+    kernel = _teacher_forced_logits(params, kv, "pallas", monkeypatch)
+    # The kernel feeds bf16 operands to the tensor cores where the reference stays in float32:
+    # the difference is rounding, a small fraction of the logits' scale.
+    err = float(jnp.max(jnp.abs(kernel - reference)) / jnp.max(jnp.abs(reference)))
+    assert err < 0.03, err
+    agree = float(jnp.mean(jnp.argmax(kernel, -1) == jnp.argmax(reference, -1)))
+    assert agree > 0.95, agree
+
+
+def test_generate_dispatches_to_the_kernel_on_gpu():
+    params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
+    c = params.config
+    cache = kivi_jax.init_cache(
+        kivi_jax.KIVI2,
+        batch=1,
+        max_len=64,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=jnp.bfloat16,
+        num_layers=c.num_layers,
+    )
+    one = jnp.ones((1,), jnp.int32)
+    jaxpr = jax.make_jaxpr(llama.decode_step)(params, one, one, cache)
+    assert "pallas_call" in str(jaxpr)
+    out = kivi_jax.generate(params, [[5, 6, 7, 8]], kv="kivi2", max_new_tokens=40)
+    assert out.shape == (1, 40) and int(out.min()) >= 0 and int(out.max()) < c.vocab_size
