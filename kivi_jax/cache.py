@@ -507,10 +507,3 @@ def dequantize(cache: Cache, dtype=None) -> tuple[jax.Array, jax.Array]:
     dtype = cache.dtype if dtype is None else dtype
     # [B, H, C, D] -> [B, max_len, H, D]
     return tuple(jnp.swapaxes(x[:, :, : cache.max_len], 1, 2).astype(dtype) for x in (k, v))
-
-
-def capacity(cache: Cache) -> int:
-    """Allocated token positions per sequence (max_len rounded up to the group size)."""
-    if isinstance(cache, FullCache):
-        return cache.k.shape[-2]
-    return cache.v_codes.shape[-2]
