@@ -1,5 +1,6 @@
 """decode_attention against an independent float64 numpy reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,3 +78,42 @@ def test_bad_queries_are_rejected():
     )
     with pytest.raises(ValueError, match="one layer's cache"):
         kj.decode_attention(jnp.zeros((2, 2, 32)), stacked)
+
+
+GRID = [(2, g, r) for g, r in [(4, 8), (4, 64), (32, 64), (32, 128), (64, 64), (64, 128)]]
+GRID += [(4, 4, 8), (4, 32, 128)]
+
+
+@pytest.mark.parametrize("bits, group, residual", GRID)
+def test_the_issue_grid_streams_and_attends_correctly(rng, bits, group, residual):
+    # bits 2 and 4, G in {4, 32, 64}, R in {8, 64, 128}, GQA 1-4, a ragged batch with a row
+    # that crosses a key flush during the appends.
+    config = kj.KiviConfig(k_bits=bits, v_bits=bits, group_size=group, residual_length=residual)
+    d, heads, prompt, steps = 64, 2, 125, 6
+    lengths = np.array([prompt, 60, 0])
+    k, v = random_kv(rng, 3, prompt + steps, heads, d, outliers=True)
+    make = lambda: kj.init_cache(
+        config, batch=3, max_len=160, num_kv_heads=heads, head_dim=d, dtype=jnp.float32
+    )
+    cache = kj.prefill(make(), k[:, :prompt], v[:, :prompt], lengths=jnp.array(lengths))
+    for t in range(steps):
+        idx = jnp.array(lengths + t)
+        cache = kj.append(cache, k[jnp.arange(3), idx], v[jnp.arange(3), idx])
+    # The same tokens in one prefill give the same state.
+    held = lengths + steps
+    pad = np.arange(prompt + steps)[None, :] < held[:, None]
+    whole = kj.prefill(
+        make(),
+        jnp.where(pad[..., None, None], k, 0),
+        jnp.where(pad[..., None, None], v, 0),
+        lengths=jnp.array(held),
+    )
+    assert all(
+        bool(jnp.array_equal(a, b))
+        for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(whole), strict=True)
+    )
+    dk, dv = kj.dequantize(cache, dtype=jnp.float32)
+    for rep in (1, 2, 3, 4):
+        q = jnp.asarray(rng.normal(size=(3, heads * rep, d)), jnp.float32)
+        out = kj.decode_attention(q, cache, impl="reference")
+        np.testing.assert_allclose(out, numpy_attention(q, dk, dv, held), rtol=1e-5, atol=1e-5)
