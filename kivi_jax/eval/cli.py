@@ -41,7 +41,7 @@ FULL = Sizes(
     depths=(0.1, 0.3, 0.5, 0.7, 0.9),
     error_tokens=2048,
     error_queries=64,
-    ablate_tokens=4096,
+    ablate_tokens=2048,
     ablate_window=2048,
     ablate_depths=(0.1, 0.3, 0.5, 0.7, 0.9),
 )

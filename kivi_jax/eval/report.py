@@ -201,7 +201,8 @@ def _ablate_md(r: dict) -> str:
     s = (
         f"KIVI-{r['bits']} over group size G and residual R. Perplexity on `{r['source']}` "
         f"({r['windows']} window(s) of {r['window']} tokens; fp {fp:.3f}); passkey accuracy at "
-        f"L={r['passkey_length']} over 5 depths x 2 keys (fp {r['passkey']['fp']:.2f}).\n\n"
+        f"L={r['passkey_length']} over {len(r['passkey_depths'])} depth(s) x "
+        f"{r['passkey_keys_per_cell']} keys (fp {r['passkey']['fp']:.2f}).\n\n"
     )
     rows = []
     for g in r["group_sizes"]:

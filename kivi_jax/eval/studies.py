@@ -386,6 +386,8 @@ def ablation_study(
         "residuals": list(residuals),
         "ppl": ppl,
         "passkey_length": passkey_length,
+        "passkey_depths": list(depths),
+        "passkey_keys_per_cell": keys_per_cell,
         "passkey": {n: pk["accuracy_by_length"][n][0] for n in settings},
         "passkey_records": pk["records"],
     }
