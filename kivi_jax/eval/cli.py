@@ -41,8 +41,8 @@ FULL = Sizes(
     depths=(0.1, 0.3, 0.5, 0.7, 0.9),
     error_tokens=2048,
     error_queries=64,
-    ablate_tokens=2048,
-    ablate_window=2048,
+    ablate_tokens=1024,  # one window: 10 settings x a 2k window would not fit the hour
+    ablate_window=1024,
     ablate_depths=(0.1, 0.3, 0.5, 0.7, 0.9),
 )
 QUICK = Sizes(
