@@ -67,6 +67,10 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="CI-sized runs (minutes, not an hour)")
     p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
+    p.add_argument(
+        "--passkey-lengths", type=int, nargs="+", default=None,
+        help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -77,6 +81,8 @@ def run(args, log) -> list[pathlib.Path]:
     from kivi_jax.eval import data, report, studies
 
     sizes = QUICK if args.quick else FULL
+    if args.passkey_lengths:
+        sizes = dataclasses.replace(sizes, passkey_lengths=tuple(args.passkey_lengths))
     studies_to_run = STUDIES if args.study == "all" else (args.study,)
     if args.text is not None and not pathlib.Path(args.text).is_file():
         raise FileNotFoundError(f"prose file not found: {args.text}")
