@@ -19,6 +19,7 @@ N query heads, H KV heads, D head_dim, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
@@ -164,18 +165,30 @@ def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     return jnp.take(params.embed, tokens, axis=0)
 
 
-def _prompt_block(lw, h, lengths, c: LlamaConfig):
-    """One decoder block over a right-padded prompt: h [B, S, d] -> (h, k, v [B, S, H, D])."""
+def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
+    """One decoder block over a right-padded prompt: h [B, S, d] -> (h, q [B, S, N, D], k, v).
+
+    `attention(q, k, v, lengths) -> [B, S, N, D]` replaces the causal full-precision prompt
+    attention when given (kivi_jax.eval.views: what a quantized cache would show each query).
+    """
     B, S, _ = h.shape
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     x = rms_norm(h, lw.attn_norm, c.rms_eps)
     q, k, v = _qkv(lw, x, positions, c)
-    attn = jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, key_value_seq_lengths=lengths, scale=1.0 / math.sqrt(c.head_dim)
-    )  # [B, S, N, D]; padded keys (t >= lengths[b]) masked out
+    if attention is None:
+        attn = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            key_value_seq_lengths=lengths,
+            scale=1.0 / math.sqrt(c.head_dim),
+        )  # [B, S, N, D]; padded keys (t >= lengths[b]) masked out
+    else:
+        attn = attention(q, k, v, lengths).astype(h.dtype)
     h = h + _dense(attn.reshape(B, S, c.num_heads * c.head_dim), lw.wo)
     h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
-    return h, k, v
+    return h, q, k, v
 
 
 def _check_tokens(params: LlamaParams, tokens) -> None:
@@ -186,29 +199,63 @@ def _check_tokens(params: LlamaParams, tokens) -> None:
 # ----------------------------------------------------------------------------- entry points
 
 
-@jax.jit
-def forward(params: LlamaParams, tokens: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
-    """Full-precision causal forward pass.
-
-    Args:
-      params: the weights (carrying their config).
-      tokens: int [B, S]; with `lengths`, right-padded (token t of row b is real if t < lengths[b]).
-      lengths: optional int [B], 1 <= lengths[b] <= S. Padded positions get logits too (of no use).
-
-    Returns:
-      float32 logits [B, S, V].
-    """
+def _prompt_pass(params, tokens, lengths, attention, collect: bool):
+    """Every block over the prompt: (h [B, S, d], (q, k, v) stacked [L, ...] if collect)."""
     _check_tokens(params, tokens)
     c = params.config
     B, S = tokens.shape
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
 
     def body(h, lw):
-        h, _, _ = _prompt_block(lw, h, lengths, c)
-        return h, None
+        h, q, k, v = _prompt_block(lw, h, lengths, c, attention)
+        return h, (q, k, v) if collect else None
 
-    h, _ = jax.lax.scan(body, _embed(params, tokens), params.layers)
+    return jax.lax.scan(body, _embed(params, tokens), params.layers)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def forward(
+    params: LlamaParams, tokens: jax.Array, lengths: jax.Array | None = None, *, attention=None
+) -> jax.Array:
+    """Causal forward pass (full-precision attention unless `attention` is given).
+
+    Args:
+      params: the weights (carrying their config).
+      tokens: int [B, S]; with `lengths`, right-padded (token t of row b is real if t < lengths[b]).
+      lengths: optional int [B], 1 <= lengths[b] <= S. Padded positions get logits too (of no use).
+      attention: optional hashable callable `(q [B, S, N, D], k, v [B, S, H, D], lengths [B]) ->
+        [B, S, N, D]` used as every layer's prompt attention (static: one compile per value).
+
+    Returns:
+      float32 logits [B, S, V].
+    """
+    h, _ = _prompt_pass(params, tokens, lengths, attention, collect=False)
     return _logits(params, h)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def forward_with_qkv(
+    params: LlamaParams,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    attention=None,
+    logits_at: jax.Array | None = None,
+):
+    """`forward` that also returns every layer's q, k, v (post-RoPE), stacked on a layer axis.
+
+    Args:
+      params, tokens, lengths, attention: as `forward`.
+      logits_at: optional int [B]; if given, only the logits at these positions are computed.
+
+    Returns:
+      (float32 logits [B, S, V], or [B, V] with `logits_at`; q [L, B, S, N, D]; k, v
+      [L, B, S, H, D]).
+    """
+    h, (q, k, v) = _prompt_pass(params, tokens, lengths, attention, collect=True)
+    if logits_at is not None:
+        h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
+    return _logits(params, h), q, k, v
 
 
 def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cache):
@@ -229,7 +276,7 @@ def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cache):
     def body(carry, xs):
         h, cache = carry
         lw, i = xs
-        h, k, v = _prompt_block(lw, h, lengths, c)
+        h, _, k, v = _prompt_block(lw, h, lengths, c)
         return (h, cache_prefill(cache, k, v, lengths, layer=i)), None  # layer i, in place
 
     layers = (params.layers, jnp.arange(c.num_layers))

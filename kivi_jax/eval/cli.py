@@ -1,0 +1,157 @@
+"""kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
+
+    kivi-eval ppl|passkey|errors|ablate|all [--out DIR] [--quick] [--text FILE] [--model PATH]
+
+Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import platform
+import sys
+import time
+
+STUDIES = ("ppl", "passkey", "errors", "ablate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """How much each study runs (full: the published grid; quick: CI-sized)."""
+
+    ppl_tokens: int | None  # None: the whole text
+    window: int
+    passkey_lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    error_tokens: int
+    error_queries: int
+    ablate_tokens: int
+    ablate_window: int
+    ablate_depths: tuple[float, ...]
+    ablate_groups: tuple[int, ...] = (16, 32, 64)
+    ablate_residuals: tuple[int, ...] = (64, 128, 256)
+
+
+FULL = Sizes(
+    ppl_tokens=None,
+    window=2048,
+    passkey_lengths=(1024, 2048, 4096),
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    error_tokens=2048,
+    error_queries=64,
+    ablate_tokens=1024,  # one window: 10 settings x a 2k window would not fit the hour
+    ablate_window=1024,
+    ablate_depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+)
+QUICK = Sizes(
+    ppl_tokens=512,
+    window=256,
+    passkey_lengths=(1024,),
+    depths=(0.2, 0.8),
+    error_tokens=320,
+    error_queries=32,
+    ablate_tokens=512,
+    ablate_window=512,
+    ablate_depths=(0.5,),
+    ablate_groups=(32,),
+    ablate_residuals=(64, 128),
+)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="kivi-eval", description=__doc__.splitlines()[0])
+    p.add_argument("study", choices=[*STUDIES, "all"], help="which study to run")
+    p.add_argument("--out", default="eval-results", help="output folder (default: eval-results)")
+    p.add_argument("--quick", action="store_true", help="CI-sized runs (minutes, not an hour)")
+    p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
+    p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
+    p.add_argument(
+        "--passkey-lengths", type=int, nargs="+", default=None,
+        help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def run(args, log) -> list[pathlib.Path]:
+    import jax.numpy as jnp
+
+    import kivi_jax
+    from kivi_jax.eval import data, report, studies
+
+    sizes = QUICK if args.quick else FULL
+    if args.passkey_lengths:
+        sizes = dataclasses.replace(sizes, passkey_lengths=tuple(args.passkey_lengths))
+    studies_to_run = STUDIES if args.study == "all" else (args.study,)
+    if args.text is not None and not pathlib.Path(args.text).is_file():
+        raise FileNotFoundError(f"prose file not found: {args.text}")
+    model = (
+        kivi_jax.load_model(args.model, dtype=jnp.float32)
+        if args.model
+        else (kivi_jax.load_model(dtype=jnp.float32))
+    )
+    params, tok = model.params, model.tokenizer
+    out = pathlib.Path(args.out)
+    header_base = (
+        f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
+        f"float32 on {platform.machine()} CPU"
+    )
+    written = []
+    for study in studies_to_run:
+        t0 = time.perf_counter()
+        if study == "ppl":
+            ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.ppl_tokens)
+            result = studies.ppl_study(params, ids, source=src, window=sizes.window, log=log)
+        elif study == "passkey":
+            result = studies.passkey_study(
+                params, tok, lengths=sizes.passkey_lengths, depths=sizes.depths, log=log
+            )
+        elif study == "errors":
+            ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.error_tokens)
+            result = studies.error_study(params, ids, source=src, num_queries=sizes.error_queries)
+        else:
+            ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.ablate_tokens)
+            result = studies.ablation_study(
+                params,
+                tok,
+                ids,
+                source=src,
+                window=sizes.ablate_window,
+                group_sizes=sizes.ablate_groups,
+                residuals=sizes.ablate_residuals,
+                depths=sizes.ablate_depths,
+                log=log,
+            )
+        seconds = time.perf_counter() - t0
+        result["wall_seconds"] = seconds
+        header = f"# {study}\n\n{header_base}; this study took {seconds:.0f} s."
+        written += report.write(out, study, result, header)
+        log(f"{study}: {seconds:.0f} s -> {out}/{study}.{{json,md,png}}")
+    return written
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        run(args, log)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kivi-eval: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a loading error names the file; anything else is a bug: re-raise
+        from kivi_jax.loading import ModelLoadError
+
+        if isinstance(e, ModelLoadError):
+            print(f"kivi-eval: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

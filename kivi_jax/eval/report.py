@@ -1,0 +1,247 @@
+"""Writes each study's results: <study>.json, <study>.md (tables) and <study>.png (a plot)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write(out: pathlib.Path, study: str, result: dict, header: str) -> list[pathlib.Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{study}.json", out / f"{study}.md", out / f"{study}.png"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(header + "\n\n" + MARKDOWN[study](result) + "\n")
+    PLOTS[study](result, paths[2])
+    return paths
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- ppl
+
+
+def _ppl_md(r: dict) -> str:
+    fp = r["streaming"]["fp"]["ppl"]
+    s = (
+        f"Text: `{r['source']}`, {r['windows']} window(s) of {r['window']} tokens, "
+        f"{r['scored_tokens']} tokens scored; cache dtype {r['cache_dtype']}.\n\n"
+    )
+    s += "Streaming cache (teacher-forced, exact equivalent of decoding through the cache):\n\n"
+    s += _table(
+        ["KV", "ppl", "vs fp"],
+        [[n, f"{x['ppl']:.3f}", f"{x['ppl'] / fp - 1:+.2%}"] for n, x in r["streaming"].items()],
+    )
+    s += "\n\nFake quantization (paper Table 1: whole sequence, groups of 32, no residual):\n\n"
+    s += _table(
+        ["config", "ppl", "vs fp"],
+        [[n, f"{x['ppl']:.3f}", f"{x['ppl'] / fp - 1:+.2%}"] for n, x in r["fake_quant"].items()],
+    )
+    return s
+
+
+def _ppl_plot(r: dict, path) -> None:
+    plt = _plt()
+    names = list(r["streaming"]) + [f"fq {n}" for n in r["fake_quant"]]
+    vals = [x["ppl"] for x in r["streaming"].values()] + [
+        x["ppl"] for x in r["fake_quant"].values()
+    ]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(
+        names[::-1], vals[::-1], color=["C1"] * len(r["fake_quant"]) + ["C0"] * len(r["streaming"])
+    )
+    ax.set_xscale("log")
+    ax.axvline(r["streaming"]["fp"]["ppl"], color="k", lw=0.8, ls="--")
+    ax.set_xlabel("perplexity (log scale)")
+    ax.set_title(f"Perplexity, {r['scored_tokens']} tokens of {pathlib.Path(r['source']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- passkey
+
+
+def _passkey_md(r: dict) -> str:
+    s = (
+        f"{r['keys_per_cell']} random 5-digit keys per cell, greedy, {r['new_tokens']} new "
+        f"tokens, one full-precision prefill shared by every setting.\n\n"
+    )
+    s += "Accuracy per prompt length (mean over depths):\n\n"
+    s += _table(
+        ["KV", *[f"L={n}" for n in r["lengths"]]],
+        [[n, *[f"{a:.2f}" for a in accs]] for n, accs in r["accuracy_by_length"].items()],
+    )
+    for n, grid in r["accuracy"].items():
+        s += f"\n\n{n} ({r['settings'][n]}), rows L, columns depth:\n\n"
+        s += _table(
+            ["L", *[str(d) for d in r["depths"]]],
+            [
+                [length, *[f"{a:.1f}" for a in row]]
+                for length, row in zip(r["lengths"], grid, strict=True)
+            ],
+        )
+    return s
+
+
+def _passkey_plot(r: dict, path) -> None:
+    plt = _plt()
+    names = list(r["accuracy"])
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.6), squeeze=False)
+    for ax, n in zip(axes[0], names, strict=True):
+        im = ax.imshow(np.asarray(r["accuracy"][n]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(r["depths"])), [str(d) for d in r["depths"]])
+        ax.set_yticks(range(len(r["lengths"])), [str(x) for x in r["lengths"]])
+        ax.set_xlabel("depth")
+        ax.set_title(n)
+    axes[0][0].set_ylabel("prompt length")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _errors_md(r: dict) -> str:
+    s = (
+        f"Text: `{r['source']}`; the last {r['queries']} tokens' queries over the {r['keys']} "
+        f"tokens before them; {r['bits']}-bit, groups of {r['group_size']}. Key/value errors "
+        f"per KV head, score/output errors per query head, averaged over heads per layer.\n\n"
+    )
+    s += "Over layers (mean / median of the per-layer values):\n\n"
+    rows = []
+    for m in ("key", "score", "value", "output"):
+        t, c = r["summary"]["per-token"][m], r["summary"]["per-channel"][m]
+        rows.append(
+            [m, f"{t['mean']:.3g} / {t['median']:.3g}", f"{c['mean']:.3g} / {c['median']:.3g}"]
+        )
+    s += _table(["measure", "per-token", "per-channel"], rows)
+    n = len(r["per_layer"]["per-token"]["key"])
+    s += (
+        f"\n\nPer-channel keys beat per-token keys in {r['layers_where_per_channel_key_wins']}/{n} "
+        f"layers; per-token values beat per-channel values on the attention output in "
+        f"{r['layers_where_per_token_value_output_wins']}/{n} layers.\n\nPer layer:\n\n"
+    )
+    pt, pc = r["per_layer"]["per-token"], r["per_layer"]["per-channel"]
+    s += _table(
+        [
+            "layer",
+            "key tok",
+            "key ch",
+            "score tok",
+            "score ch",
+            "value tok",
+            "value ch",
+            "output tok",
+            "output ch",
+            "key max/median |k|",
+        ],
+        [
+            [
+                i,
+                *(f"{g[m][i]:.3g}" for m in ("key", "score", "value", "output") for g in (pt, pc)),
+                f"{max(r['key_outlier_ratio_max_over_median'][i]):.1f}",
+            ]
+            for i in range(n)
+        ],
+    )
+    return s
+
+
+def _errors_plot(r: dict, path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    pt, pc = r["per_layer"]["per-token"], r["per_layer"]["per-channel"]
+    for ax, m in zip(axes[0], ("key", "score", "output"), strict=True):
+        ax.plot(pt[m], "o-", ms=3, label="per-token")
+        ax.plot(pc[m], "s-", ms=3, label="per-channel")
+        ax.set_title(
+            {
+                "key": "key reconstruction ||K-K'||",
+                "score": "attention score ||A-A'||",
+                "output": "attention output Δ (value quant)",
+            }[m]
+        )
+        ax.set_xlabel("layer")
+        ax.legend()
+    axes[0][2].set_yscale("log")
+    mag = np.asarray(r["key_channel_magnitude"])  # [L, H, D]
+    L = mag.shape[0]
+    for ax, layer in zip(axes[1], sorted({1, L // 2, L - 1}), strict=False):
+        for h in range(mag.shape[1]):
+            ax.plot(mag[layer, h], lw=1, label=f"KV head {h}")
+        ax.set_title(f"layer {layer}: mean |key| per channel")
+        ax.set_xlabel("channel")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- ablation
+
+
+def _ablate_md(r: dict) -> str:
+    fp = r["ppl"]["fp"]["ppl"]
+    s = (
+        f"KIVI-{r['bits']} over group size G and residual R. Perplexity on `{r['source']}` "
+        f"({r['windows']} window(s) of {r['window']} tokens; fp {fp:.3f}); passkey accuracy at "
+        f"L={r['passkey_length']} over {len(r['passkey_depths'])} depth(s) x "
+        f"{r['passkey_keys_per_cell']} keys (fp {r['passkey']['fp']:.2f}).\n\n"
+    )
+    rows = []
+    for g in r["group_sizes"]:
+        cells = []
+        for res in r["residuals"]:
+            n = f"G{g}_R{res}"
+            cells.append(f"{r['ppl'][n]['ppl']:.3f} / {r['passkey'][n]:.1f}")
+        rows.append([f"G={g}", *cells])
+    s += "ppl / passkey accuracy:\n\n"
+    s += _table(["", *[f"R={res}" for res in r["residuals"]]], rows)
+    return s
+
+
+def _ablate_plot(r: dict, path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, what in zip(axes, ("ppl", "passkey"), strict=True):
+        grid = np.array(
+            [
+                [
+                    r["ppl"][f"G{g}_R{x}"]["ppl"] if what == "ppl" else r["passkey"][f"G{g}_R{x}"]
+                    for x in r["residuals"]
+                ]
+                for g in r["group_sizes"]
+            ]
+        )
+        im = ax.imshow(grid, cmap="viridis_r" if what == "ppl" else "RdYlGn", aspect="auto")
+        for (i, j), val in np.ndenumerate(grid):
+            ax.text(j, i, f"{val:.2f}", ha="center", va="center", color="w", fontsize=8)
+        ax.set_xticks(range(len(r["residuals"])), [f"R={x}" for x in r["residuals"]])
+        ax.set_yticks(range(len(r["group_sizes"])), [f"G={g}" for g in r["group_sizes"]])
+        ax.set_title(
+            "perplexity" if what == "ppl" else f"passkey accuracy, L={r['passkey_length']}"
+        )
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+MARKDOWN = {"ppl": _ppl_md, "passkey": _passkey_md, "errors": _errors_md, "ablate": _ablate_md}
+PLOTS = {"ppl": _ppl_plot, "passkey": _passkey_plot, "errors": _errors_plot, "ablate": _ablate_plot}

@@ -1,0 +1,393 @@
+"""The accuracy studies: perplexity, passkey retrieval, the paper's error analysis, G/R ablation.
+
+Each study is a plain function of (params, tokenizer or tokens, sizes) returning a JSON-ready dict;
+`kivi_jax.eval.report` writes the files and `kivi_jax.eval.cli` is the `kivi-eval` command.
+
+- `perplexity`: one causal forward pass per window whose prompt attention is a view
+  (kivi_jax.eval.views): `StreamingAttention` equals teacher-forced decoding through the streaming
+  KIVI cache, `FakeQuantAttention` is the paper's Table 1, `FullAttention` the baseline.
+- `passkey`: one full-precision prefill per batch of prompts (every layer's K/V collected once),
+  then one cache per KV setting filled with `kivi_jax.prefill` and decoded greedily through the
+  model's `decode_step` in a jitted loop.
+- `error_analysis`: the measures of kivi_jax.analysis on the real model's q/k/v, per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax import analysis
+from kivi_jax.analysis import Grouping
+from kivi_jax.cache import init_cache
+from kivi_jax.cache import prefill as cache_prefill
+from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.eval import data, views
+from kivi_jax.models import llama
+
+PT, PC = Grouping.PER_TOKEN, Grouping.PER_CHANNEL
+
+# The streaming cache settings compared everywhere (None: the full-precision cache).
+KV_SETTINGS: dict[str, KiviConfig | None] = {"fp": None, "kivi4": KIVI4, "kivi2": KIVI2}
+
+# The paper's Table 1 (fake quantization, groups of 32, no residual), in its row order.
+FAKE_QUANT_GRID: dict[str, views.FakeQuantAttention] = {
+    "4bit K per-token, V per-token": views.FakeQuantAttention(PT, PT, bits=4),
+    "2bit K per-token, V per-token": views.FakeQuantAttention(PT, PT, bits=2),
+    "2bit K per-channel, V per-token": views.FakeQuantAttention(PC, PT, bits=2),
+    "2bit K per-token, V per-channel": views.FakeQuantAttention(PT, PC, bits=2),
+    "2bit K per-channel, V per-channel": views.FakeQuantAttention(PC, PC, bits=2),
+}
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def _window_nll(params, tokens, attention):
+    """tokens [1, W] -> summed negative log-likelihood of tokens 1..W-1 given their prefix."""
+    logits = llama.forward(params, tokens, attention=attention)[0, :-1]  # [W-1, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1).sum()
+
+
+def windows(ids, window: int) -> np.ndarray:
+    """The whole non-overlapping windows of `window` tokens: int32 [n, window] (tail dropped)."""
+    n = len(ids) // window
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
+    return np.asarray(ids[: n * window], np.int32).reshape(n, window)
+
+
+def perplexity(params, chunks: np.ndarray, attention) -> dict:
+    """exp(mean NLL) over every window's tokens 1..W-1 (each window starts with no context)."""
+    t0 = time.perf_counter()
+    nll = sum(float(_window_nll(params, jnp.asarray(c)[None], attention)) for c in chunks)
+    n = chunks.shape[0] * (chunks.shape[1] - 1)
+    return {
+        "ppl": float(np.exp(nll / n)),
+        "nll": nll / n,
+        "tokens": n,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def ppl_study(params, ids, *, source: str, window: int, log=print) -> dict:
+    """fp / KIVI-4 / KIVI-2 through the streaming view, and the fake-quantization grid."""
+    chunks = windows(ids, window)
+    rows = {}
+    settings = {"fp": views.FullAttention()}
+    for name, cfg in KV_SETTINGS.items():
+        if cfg is not None:
+            settings[name] = views.StreamingAttention(cfg, cache_dtype=params.dtype)
+    for name, attention in settings.items():
+        rows[name] = perplexity(params, chunks, attention)
+        log(f"ppl {name}: {rows[name]['ppl']:.3f} ({rows[name]['seconds']:.0f} s)")
+    grid = {}
+    for name, attention in FAKE_QUANT_GRID.items():
+        grid[name] = perplexity(params, chunks, attention)
+        log(f"ppl fake-quant {name}: {grid[name]['ppl']:.3f} ({grid[name]['seconds']:.0f} s)")
+    return {
+        "source": source,
+        "window": window,
+        "windows": int(chunks.shape[0]),
+        "scored_tokens": int(chunks.shape[0] * (window - 1)),
+        "cache_dtype": str(jnp.dtype(params.dtype)),
+        "streaming": rows,
+        "fake_quant": grid,
+    }
+
+
+# ----------------------------------------------------------------------------- passkey
+
+
+@functools.partial(jax.jit, static_argnames=("kv_configs", "max_len", "new_tokens"))
+def _greedy_answers(params, tokens, lengths, *, kv_configs, max_len: int, new_tokens: int):
+    """One full-precision prefill, then a greedy decode per KV setting: int32 [C, B, new_tokens]."""
+    c = params.config
+    B = tokens.shape[0]
+    logits, _, k, v = llama.forward_with_qkv(params, tokens, lengths, logits_at=lengths - 1)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # identical for every setting
+    answers = []
+    for cfg in kv_configs:
+        cache = init_cache(
+            cfg,
+            batch=B,
+            max_len=max_len,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=params.dtype,
+            num_layers=c.num_layers,
+        )
+        cache = jax.lax.fori_loop(
+            0, c.num_layers, lambda i, s: cache_prefill(s, k[i], v[i], lengths, layer=i), cache
+        )
+        generated = jnp.zeros((B, new_tokens), jnp.int32).at[:, 0].set(first)
+
+        def step(t, carry):
+            generated, cache = carry
+            fed = jax.lax.dynamic_index_in_dim(generated, t - 1, axis=1, keepdims=False)
+            logits, cache = llama.decode_step(params, fed, lengths + t - 1, cache)
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return jax.lax.dynamic_update_index_in_dim(generated, nxt, t, axis=1), cache
+
+        generated, _ = jax.lax.fori_loop(1, new_tokens, step, (generated, cache))
+        answers.append(generated)
+    return jnp.stack(answers)
+
+
+def passkey_answers(params, tokenizer, prompts, kv_configs, *, width: int, new_tokens: int = 8):
+    """Greedy answers of each KV setting to a batch of prompts, right-padded to `width` tokens.
+
+    Returns a list (per setting) of lists (per prompt) of decoded answer strings.
+    """
+    B = len(prompts)
+    tokens = np.zeros((B, width), np.int32)
+    for b, p in enumerate(prompts):
+        if len(p.tokens) > width:
+            raise ValueError(f"prompt of {len(p.tokens)} tokens exceeds the width {width}")
+        tokens[b, : len(p.tokens)] = p.tokens
+    lengths = np.array([len(p.tokens) for p in prompts], np.int32)
+    out = _greedy_answers(
+        params,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        kv_configs=tuple(kv_configs),
+        max_len=width + new_tokens,
+        new_tokens=new_tokens,
+    )
+    out = np.asarray(out)
+    return [[tokenizer.decode(out[c, b].tolist()) for b in range(B)] for c in range(len(out))]
+
+
+def passkey_study(
+    params,
+    tokenizer,
+    *,
+    lengths,
+    depths,
+    keys_per_cell: int = 2,
+    settings=None,
+    new_tokens: int = 8,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    """Accuracy of each KV setting on an L x depth grid, `keys_per_cell` random keys per cell.
+
+    settings: {name: KiviConfig | None}; default fp / KIVI-4 / KIVI-2. All settings of a cell share
+    one full-precision prefill (the keys of a cell form one batch).
+    """
+    settings = dict(KV_SETTINGS if settings is None else settings)
+    rng = np.random.default_rng(seed)
+    grid = {name: np.zeros((len(lengths), len(depths))) for name in settings}
+    records = []
+    t0 = time.perf_counter()
+    for i, length in enumerate(lengths):
+        cells = [
+            [
+                data.passkey_prompt(tokenizer, length=length, depth=d, rng=rng)
+                for _ in range(keys_per_cell)
+            ]
+            for d in depths
+        ]
+        # One padded width per length, so the whole row shares one compiled program.
+        width = -(-max(len(p.tokens) for cell in cells for p in cell) // 64) * 64
+        for j, cell in enumerate(cells):
+            answers = passkey_answers(
+                params, tokenizer, cell, settings.values(), width=width, new_tokens=new_tokens
+            )
+            for name, got in zip(settings, answers, strict=True):
+                ok = [data.passkey_correct(a, p.key) for a, p in zip(got, cell, strict=True)]
+                grid[name][i, j] = float(np.mean(ok))
+                records += [
+                    {
+                        "setting": name,
+                        "length": length,
+                        "depth": depths[j],
+                        "key": p.key,
+                        "prompt_tokens": len(p.tokens),
+                        "answer": a,
+                        "correct": c,
+                    }
+                    for a, p, c in zip(got, cell, ok, strict=True)
+                ]
+            log(
+                f"passkey L={length} depth={depths[j]}: "
+                + ", ".join(f"{n} {grid[n][i, j]:.1f}" for n in settings)
+                + f" ({time.perf_counter() - t0:.0f} s)"
+            )
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "keys_per_cell": keys_per_cell,
+        "new_tokens": new_tokens,
+        "settings": {n: _describe(c) for n, c in settings.items()},
+        "accuracy": {n: g.tolist() for n, g in grid.items()},
+        "accuracy_by_length": {n: g.mean(axis=1).tolist() for n, g in grid.items()},
+        "records": records,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _describe(cfg: KiviConfig | None) -> str:
+    if cfg is None:
+        return "full precision"
+    return f"K{cfg.k_bits}/V{cfg.v_bits} bits, G={cfg.group_size}, R={cfg.residual_length}"
+
+
+# ----------------------------------------------------------------------------- error analysis
+
+
+def _head_errors(q, k, v, bits: int, group_size: int):
+    """One query head: q [Q, D] over k, v [T, D] -> the paper's measures for both groupings."""
+    a = analysis.attention_scores(q, k)
+    out = {}
+    for g in (PT, PC):
+        k_hat = analysis.quantize_dequantize(k, bits, group_size, g)
+        v_hat = analysis.quantize_dequantize(v, bits, group_size, g)
+        out[g.value] = {
+            "key": analysis.key_reconstruction_error(k, k_hat),
+            "score": analysis.attention_score_error(q, k, k_hat),
+            "value": analysis.value_reconstruction_error(v, v_hat),
+            "output": analysis.attention_output_error(a, v, v_hat),
+        }
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("num_queries", "bits", "group_size"))
+def _layer_errors(params, tokens, *, num_queries: int, bits: int, group_size: int):
+    """Every layer and query head's measures, and the per-channel mean |key| [L, H, D]."""
+    c = params.config
+    _, q, k, v = llama.forward_with_qkv(params, tokens, logits_at=jnp.zeros((1,), jnp.int32))
+    q, k, v = (x[:, 0].astype(jnp.float32) for x in (q, k, v))  # [L, S, heads, D]
+    S = q.shape[1]
+    split = S - num_queries
+    rep = c.num_heads // c.num_kv_heads
+    qs = q[:, split:]  # [L, Q, N, D]: the last queries ...
+    ks = jnp.repeat(k[:, :split], rep, axis=2)  # [L, T, N, D]: ... over the keys all before them
+    vs = jnp.repeat(v[:, :split], rep, axis=2)
+    per_head = jax.vmap(jax.vmap(_head_errors, (1, 1, 1, None, None)), (0, 0, 0, None, None))
+    errors = per_head(qs, ks, vs, bits, group_size)  # leaves [L, N]
+    magnitude = jnp.abs(k).mean(axis=1)  # [L, H, D]
+    return errors, magnitude
+
+
+def error_study(
+    params, ids, *, source: str, num_queries: int = 64, bits: int = 2, group_size: int = 32
+) -> dict:
+    """The paper's Tables 2 and 3 per layer on the real model (module doc, docs/accuracy.md).
+
+    The last `num_queries` tokens' queries attend over all tokens before them (T = len - Q keys,
+    T a multiple of G), so A is the true (unmasked) attention of those queries over that prefix.
+    Per layer: key/value reconstruction errors are per KV head (a query head's copy counted once),
+    score/output errors per query head; both averaged over heads.
+    """
+    t0 = time.perf_counter()
+    keys = (len(ids) - num_queries) // group_size * group_size
+    tokens = jnp.asarray(ids[: keys + num_queries], jnp.int32)[None]
+    errors, magnitude = _layer_errors(
+        params, tokens, num_queries=num_queries, bits=bits, group_size=group_size
+    )
+    rep = params.config.num_heads // params.config.num_kv_heads
+    per_layer = {}
+    for g, measures in errors.items():
+        per_layer[g] = {}
+        for name, x in measures.items():
+            x = np.asarray(x)  # [L, N]
+            if name in ("key", "value"):
+                x = x[:, ::rep]  # one entry per KV head
+            per_layer[g][name] = x.mean(axis=1).tolist()
+    magnitude = np.asarray(magnitude)  # [L, H, D]
+    ratio = magnitude.max(axis=2) / np.median(magnitude, axis=2)  # [L, H]
+    outliers = {
+        str(layer): [
+            np.argsort(magnitude[layer, h])[::-1][:4].tolist() for h in range(ratio.shape[1])
+        ]
+        for layer in range(magnitude.shape[0])
+    }
+    summary = {
+        g: {
+            name: {"mean": float(np.mean(v)), "median": float(np.median(v))}
+            for name, v in per_layer[g].items()
+        }
+        for g in per_layer
+    }
+    return {
+        "source": source,
+        "keys": keys,
+        "queries": num_queries,
+        "bits": bits,
+        "group_size": group_size,
+        "per_layer": per_layer,
+        "summary": summary,
+        "layers_where_per_channel_key_wins": int(
+            np.sum(np.array(per_layer["per-channel"]["key"]) < per_layer["per-token"]["key"])
+        ),
+        "layers_where_per_token_value_output_wins": int(
+            np.sum(np.array(per_layer["per-token"]["output"]) < per_layer["per-channel"]["output"])
+        ),
+        "key_channel_magnitude": magnitude.tolist(),
+        "key_outlier_ratio_max_over_median": ratio.tolist(),
+        "top_key_channels": outliers,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# ----------------------------------------------------------------------------- ablation
+
+
+def ablation_study(
+    params,
+    tokenizer,
+    ids,
+    *,
+    source: str,
+    window: int,
+    group_sizes=(16, 32, 64),
+    residuals=(64, 128, 256),
+    bits: int = 2,
+    passkey_length: int = 2048,
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    keys_per_cell: int = 2,
+    log=print,
+) -> dict:
+    """KIVI-`bits` over G x R: perplexity (streaming view) and passkey at one length."""
+    chunks = windows(ids, window)
+    configs = {
+        f"G{g}_R{r}": KiviConfig(k_bits=bits, v_bits=bits, group_size=g, residual_length=r)
+        for g in group_sizes
+        for r in residuals
+    }
+    ppl = {"fp": perplexity(params, chunks, views.FullAttention())}
+    for name, cfg in configs.items():
+        ppl[name] = perplexity(params, chunks, views.StreamingAttention(cfg, params.dtype))
+        log(f"ablate ppl {name}: {ppl[name]['ppl']:.3f}")
+    settings = {"fp": None, **configs}
+    pk = passkey_study(
+        params,
+        tokenizer,
+        lengths=[passkey_length],
+        depths=list(depths),
+        keys_per_cell=keys_per_cell,
+        settings=settings,
+        seed=1,
+        log=log,
+    )
+    return {
+        "source": source,
+        "window": window,
+        "windows": int(chunks.shape[0]),
+        "bits": bits,
+        "group_sizes": list(group_sizes),
+        "residuals": list(residuals),
+        "ppl": ppl,
+        "passkey_length": passkey_length,
+        "passkey_depths": list(depths),
+        "passkey_keys_per_cell": keys_per_cell,
+        "passkey": {n: pk["accuracy_by_length"][n][0] for n in settings},
+        "passkey_records": pk["records"],
+    }

@@ -1,0 +1,121 @@
+"""The accuracy studies: the model's attention hook, the invariants on the real model, the CLI."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_jax.models import llama
+from tiny_model import tiny_params
+
+import kivi_jax as kj
+from kivi_jax.eval import cli, data, studies, views
+
+# ----------------------------------------------------------------------------- the model's hook
+
+
+def test_forward_with_a_full_precision_view_matches_the_default_attention():
+    params = tiny_params()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 19)), jnp.int32)
+    lengths = jnp.array([19, 11])
+    plain = llama.forward(params, tokens, lengths)
+    viewed = llama.forward(params, tokens, lengths, attention=views.FullAttention())
+    np.testing.assert_allclose(viewed[0], plain[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(viewed[1, :11], plain[1, :11], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_with_qkv_returns_the_keys_and_values_prefill_stores():
+    params = tiny_params()
+    c = params.config
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (1, 13)), jnp.int32)
+    logits, q, k, v = llama.forward_with_qkv(params, tokens, logits_at=jnp.array([12]))
+    assert q.shape == (c.num_layers, 1, 13, c.num_heads, c.head_dim)
+    assert k.shape == v.shape == (c.num_layers, 1, 13, c.num_kv_heads, c.head_dim)
+    np.testing.assert_allclose(logits, llama.forward(params, tokens)[:, 12], rtol=1e-5, atol=1e-5)
+    cache = kj.init_cache(
+        None, batch=1, max_len=13, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=jnp.float32, num_layers=c.num_layers,
+    )  # fmt: skip
+    last, cache = llama.prefill(params, tokens, jnp.array([13]), cache)
+    np.testing.assert_allclose(last, logits, rtol=1e-5, atol=1e-5)
+    # FullCache stores [L, B, H, T, D].
+    np.testing.assert_allclose(cache.k, k.transpose(0, 1, 3, 2, 4), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cache.v, v.transpose(0, 1, 3, 2, 4), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def prose(smollm_f32):
+    ids, source = data.prose_tokens(smollm_f32.tokenizer, max_tokens=320)
+    return ids, source
+
+
+def test_fp_retrieves_the_key_at_1k_and_kivi_with_r_covering_everything_answers_the_same(
+    smollm_f32,
+):
+    model = smollm_f32
+    prompt = data.passkey_prompt(
+        model.tokenizer, length=1024, depth=0.5, rng=np.random.default_rng(7)
+    )
+    width = -(-len(prompt.tokens) // 64) * 64
+    covering = kj.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=width + 64)
+    (fp,), (kivi,) = studies.passkey_answers(
+        model.params, model.tokenizer, [prompt], [None, covering], width=width
+    )
+    assert data.passkey_correct(fp, prompt.key), (fp, prompt.key)
+    assert kivi == fp
+
+
+def test_kivi_with_r_covering_the_text_has_the_fp_perplexity(smollm_f32, prose):
+    ids, _ = prose
+    chunks = studies.windows(ids, 256)
+    fp = studies.perplexity(smollm_f32.params, chunks, views.FullAttention())
+    covering = kj.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=256)
+    kivi = studies.perplexity(smollm_f32.params, chunks, views.StreamingAttention(covering))
+    assert kivi["ppl"] == fp["ppl"]  # R = 256 >= every window: nothing is ever quantized
+    kivi2 = studies.perplexity(smollm_f32.params, chunks, views.StreamingAttention(kj.KIVI2))
+    assert kivi2["ppl"] > fp["ppl"]
+
+
+def test_error_analysis_on_the_real_model_reproduces_the_papers_observations(smollm_f32, prose):
+    ids, source = prose
+    r = studies.error_study(smollm_f32.params, ids, source=source, num_queries=32)
+    tok, ch = r["per_layer"]["per-token"], r["per_layer"]["per-channel"]
+    layers = smollm_f32.config.num_layers
+    assert len(tok["key"]) == layers
+    # Keys: per-channel grouping isolates the outlier channels (paper Table 2), in every layer.
+    assert all(c < t for c, t in zip(ch["key"], tok["key"], strict=True))
+    assert r["summary"]["per-channel"]["score"]["mean"] < r["summary"]["per-token"]["score"]["mean"]
+    # Values: per-channel is worse on the attention output (paper Table 3), in most layers.
+    assert (
+        r["summary"]["per-channel"]["output"]["median"]
+        > (r["summary"]["per-token"]["output"]["median"])
+    )
+    assert r["layers_where_per_token_value_output_wins"] > layers // 2
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_cli_quick_errors_writes_json_markdown_and_plot(tmp_path, default_gguf):
+    out = tmp_path / "results"
+    assert cli.main(["errors", "--quick", "--out", str(out), "--model", default_gguf]) == 0
+    for ext in ("json", "md", "png"):
+        assert (out / f"errors.{ext}").stat().st_size > 0
+    result = json.loads((out / "errors.json").read_text())
+    assert result["source"].endswith("GPL-3")
+    assert "per-channel" in (out / "errors.md").read_text()
+
+
+def test_cli_missing_text_file_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "missing.txt"
+    assert cli.main(["ppl", "--quick", "--text", str(missing), "--out", str(tmp_path)]) == 2
+    assert f"kivi-eval: error: prose file not found: {missing}" in capsys.readouterr().err
+    assert not list(tmp_path.glob("ppl.*"))
+
+
+def test_cli_unknown_study_is_a_usage_error(capsys):
+    assert cli.main(["bogus"]) == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
