@@ -257,22 +257,6 @@ def test_kernel_tunings_gpu(rng, tuning):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("bits", "D", "n_rep", "dtype"),
-    list(itertools.product([(2, 2), (4, 4), (2, 4)], [64, 128], [1, 8], [jnp.float16])),
-)
-def test_block_tile_gpu(rng, bits, D, n_rep, dtype):
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    k_bits, v_bits = bits
-    q, cache = _case(
-        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
-        prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
-    )  # fmt: skip
-    _check(q, cache, interpret=False, tuning=GpuTuning(tile="block", n_groups=1))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("bits", "D", "n_rep", "dtype"),
     list(itertools.product([(2, 2), (4, 4)], [64, 128], [1, 4], [jnp.bfloat16, jnp.float16])),
 )
 def test_group_tile_gpu(rng, bits, D, n_rep, dtype):
