@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
+from kivi_jax.pallas_kernels.decode_attention.gpu import key_scores, weighted_values
 
 GROUP, RESIDUAL = 32, 128  # the paper's KIVI settings
 L2_BYTES = 60 * 2**20  # H200; every timed loop touches several times this
@@ -260,53 +261,74 @@ def bench_shape(
     return row
 
 
-# (tuning, ablation) pairs timed by --sweep; ablations drop one side of the kernel's fast path.
+def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
+    """Each of the two kernels alone, for the time split: the score kernel on the state, and the
+    value kernel on random logits of the same shape (its cost does not depend on their values).
+    """
+    kw = dict(group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False)
+
+    def scores(q, state):
+        b, hq, d = q.shape
+        qs = q.astype(jnp.float32).reshape(b, kv_heads, hq // kv_heads, d)
+        st = state
+        return key_scores(qs, st["k_codes"], st["k_scale"], st["k_zero"], st["lengths"],
+                          bits=bits, **kw)[1]  # fmt: skip
+
+    def values(q, state):
+        st, logits = state
+        m = jnp.max(logits, axis=-1) + q[0, 0, 0].astype(jnp.float32)
+        return weighted_values(m, logits, st["v_codes"], st["v_scale"], st["v_zero"],
+                               st["lengths"], bits=bits, **kw)[1]  # fmt: skip
+
+    return scores, values
+
+
+def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
+    """Microseconds per call of the score kernel and of the value kernel alone."""
+    key = jax.random.key(2)
+    qs = _queries(key, s, calls)
+    states = kivi_states(key, s, bits)
+    logits = [
+        jax.random.normal(jax.random.fold_in(key, i), (s.batch, s.kv_heads,
+                          s.q_heads // s.kv_heads, s.context), jnp.float32)
+        for i in range(len(states))
+    ]  # fmt: skip
+    scores, values = kernel_steps(bits, tuning, s.kv_heads)
+    out = {"shape": s.name, "bits": bits}
+    for name, fn, st in (
+        ("score_kernel", scores, states),
+        ("value_kernel", values, list(zip(states, logits, strict=True))),
+    ):
+        out[f"{name}_us"] = _timed(_many_calls(fn, qs, st), (qs, st), repeats=repeats) / calls * 1e6
+    print(f"  kernels alone: {out}", flush=True)
+    return out
+
+
+# Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
 SWEEP = [
-    (GpuTuning(), ""),
-    (GpuTuning(v_mode="lazy"), ""),
-    (GpuTuning(k_mode="dequant", v_mode="dequant"), ""),
-    (GpuTuning(v_mode="dequant"), ""),
-    (GpuTuning(k_mode="dequant", v_mode="lazy"), ""),
-    (GpuTuning(v_mode="lazy", n_groups=1), ""),
-    (GpuTuning(v_mode="lazy", n_groups=4), ""),
-    (GpuTuning(v_mode="lazy", num_warps=8), ""),
-    (GpuTuning(v_mode="lazy", num_stages=3), ""),
-    (GpuTuning(v_mode="lazy", num_stages=1), ""),
-    (GpuTuning(k_mode="dequant", v_mode="dequant", n_groups=4, num_warps=8), ""),
-    (GpuTuning(), "no_keys"),
-    (GpuTuning(), "no_values"),
-]
-# The whole-tile variant (tile="block"), against the best group variant of SWEEP.
-SWEEP_BLOCK = [
-    (GpuTuning(k_mode="dequant", v_mode="dequant"), ""),
-    (GpuTuning(tile="block", n_groups=1, num_warps=4), ""),
-    (GpuTuning(tile="block", n_groups=2, num_warps=8), ""),
-    (GpuTuning(tile="block", n_groups=4, num_warps=8), ""),
+    GpuTuning(),
+    GpuTuning(score_groups=8),
+    GpuTuning(prefetch=2),
+    GpuTuning(value_rows=64, value_subtiles=2),
+    GpuTuning(score_warps=8, value_warps=8, value_rows=256),
 ]
 
 
-def sweep(s: Shape, *, calls, repeats, peak, smoke=False, entries=None) -> list[dict]:
+def sweep(s: Shape, *, calls, repeats, peak, smoke=False) -> list[dict]:
     """Times KIVI-2 on one shape under each SWEEP entry."""
     out = []
-    entries = SWEEP if entries is None else entries
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, 2)
-    for t, ablate in entries:
-
-        def step(q, state, t=t, ablate=ablate):
-            return kivi_decode_attention_gpu(
-                q, **state, k_bits=2, v_bits=2, group_size=GROUP, residual_length=RESIDUAL,
-                tuning=t, interpret=smoke, _ablate=ablate,
-            )  # fmt: skip
-
+    for t in SWEEP:
+        step = kivi_step(2, t, interpret=smoke)
         try:
             sec = _timed(_many_calls(step, qs, states), (qs, states), repeats=repeats) / calls
             rec = {"us": sec * 1e6, "pct_peak": 100 * kivi_bytes(s, 2) / sec / peak}
         except Exception as e:
             rec = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        out.append({"shape": s.name, "tuning": dataclasses.asdict(t), "ablate": ablate, **rec})
-        print(f"  sweep {t} {ablate}: {rec}", flush=True)
+        out.append({"shape": s.name, "tuning": dataclasses.asdict(t), **rec})
+        print(f"  sweep {t}: {rec}", flush=True)
     return out
 
 
@@ -343,41 +365,26 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"| {row['shape']} | {name} | {m['us']:.1f} | {m['bytes'] / 1e6:.1f} | "
                 f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} |"
             )
-    for key, title in (("block_sweep", "KIVI-2: tile='block' against the best group variant"),):
-        if result.get(key):
-            lines += [
-                "",
-                f"## {title}",
-                "",
-                "| shape | tuning | µs | % of peak |",
-                "|---|---|---:|---:|",
-            ]
-            for r in result[key]:
-                t = r["tuning"]
-                desc = (
-                    f"tile={t['tile']} k={t['k_mode']} v={t['v_mode']} "
-                    f"n_groups={t['n_groups']} warps={t['num_warps']}"
-                )
-                us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
-                lines.append(f"| {r['shape']} | {desc} | {us} |")
-    if result.get("sweep"):
+    if result.get("kernels"):
         lines += [
             "",
-            "## KIVI-2 tuning sweep",
+            "## The two kernels alone (default tuning)",
             "",
-            "| shape | tuning | µs | % of peak |",
-            "|---|---|---:|---:|",
+            "| shape | bits | score kernel µs | value kernel µs |",
+            "|---|---:|---:|---:|",
         ]
-        for r in result["sweep"]:
-            t = r["tuning"]
-            desc = (
-                f"k={t['k_mode']} v={t['v_mode']} n_groups={t['n_groups']} "
-                f"warps={t['num_warps']} stages={t['num_stages']} {r['ablate']}"
+        for r in result["kernels"]:
+            lines.append(
+                f"| {r['shape']} | {r['bits']} | {r['score_kernel_us']:.1f} | "
+                f"{r['value_kernel_us']:.1f} |"
             )
-            if "us" in r:
-                lines.append(f"| {r['shape']} | {desc} | {r['us']:.1f} | {r['pct_peak']:.1f} |")
-            else:
-                lines.append(f"| {r['shape']} | {desc} | failed | |")
+    if result.get("sweep"):
+        lines += ["", "## KIVI-2 tunings", "", "| shape | tuning | µs | % of peak |"]
+        lines.append("|---|---|---:|---:|")
+        for r in result["sweep"]:
+            changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
+            us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
+            lines.append(f"| {r['shape']} | {changed or 'default'} | {us} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -420,9 +427,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", default=None, help="substring of shape names to run")
     p.add_argument("--sweep", action="store_true", help="also sweep KIVI-2 tunings at 8x32k")
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
-    p.add_argument(
-        "--block-sweep", action="store_true", help="time SWEEP_BLOCK on both 8x32k shapes first"
-    )
+    p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
     p.add_argument("--deadline-s", type=float, default=None, help="stop adding rows after this")
     args = p.parse_args(argv)
@@ -449,24 +454,6 @@ def main(argv=None) -> None:
         "rows": [],
     }
     tuning = GpuTuning()
-    if args.block_sweep:
-        result["block_sweep"] = []
-        for s0 in [s for s in shapes if s.batch == 8 and s.context == 32768]:
-            print(f"block sweep on {s0.name}", flush=True)
-            result["block_sweep"] += sweep(
-                s0, calls=args.calls, repeats=7, peak=peak, entries=SWEEP_BLOCK
-            )
-        ok = [r for r in result["block_sweep"] if "us" in r]
-        if ok:  # the tuning with the lowest total time over the swept shapes
-            totals = {}
-            for r in ok:
-                k = json.dumps(r["tuning"], sort_keys=True)
-                totals[k] = totals.get(k, 0.0) + r["us"]
-            counts = {
-                k: sum(json.dumps(r["tuning"], sort_keys=True) == k for r in ok) for k in totals
-            }
-            full = [k for k in totals if counts[k] == max(counts.values())]
-            tuning = GpuTuning(**json.loads(min(full, key=totals.get)))
     if args.sweep:
         s0 = (
             next(s for s in shapes if s.batch == 8 and s.context == 32768)
@@ -475,10 +462,13 @@ def main(argv=None) -> None:
         )
         print(f"sweep on {s0.name}", flush=True)
         result["sweep"] = sweep(s0, calls=args.calls, repeats=7, peak=peak, smoke=args.smoke)
-        ok = [r for r in result["sweep"] if "us" in r and not r["ablate"]]
-        if ok:
-            best = min(ok, key=lambda r: r["us"])
-            tuning = GpuTuning(**best["tuning"])
+    if args.kernels and not args.smoke:
+        result["kernels"] = [
+            time_kernels(s, bits, calls=args.calls, repeats=args.repeats, tuning=tuning)
+            for s in shapes
+            if (s.batch, s.context) == (8, 32768) and (args.only or "") in s.name
+            for bits in (2, 4)
+        ]
     result["tuning"] = dataclasses.asdict(tuning)
     print(f"table with {tuning}", flush=True)
     earlier = {}

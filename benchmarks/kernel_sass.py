@@ -1,10 +1,10 @@
-"""SASS of the fused decode kernel, built without a GPU: instructions per value in its hot loop.
+"""SASS of the two decode kernels, built without a GPU: instructions per code in their loops.
 
-jax lowers the Pallas kernel to Triton IR (lowering for "cuda" works on a CPU-only jaxlib);
+jax lowers each Pallas kernel to Triton IR (lowering for "cuda" works on a CPU-only jaxlib);
 Triton's own compiler (`pip install triton`, which ships ptxas and cuobjdump) turns that IR into
-sm_90a machine code. The script counts the instructions of the fast-path loop (the first loop
-with a backward branch), divides by the key and value elements each thread handles per
-iteration, and reports registers and spills (ptxas -v).
+sm_90a machine code. The script counts the instructions of each kernel's main loop (the first
+loop with a backward branch), divides by the codes one thread handles per iteration, and
+reports registers and spills (ptxas -v).
 
     python benchmarks/kernel_sass.py --out benchmarks/results/sass.md
 
@@ -28,17 +28,19 @@ import jax
 import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
 
-CONFIGS = [  # the variants timed on the H200 (benchmarks/results/attention*.md)
-    GpuTuning(tile="group", n_groups=2),
-    GpuTuning(tile="group", n_groups=2, k_mode="dequant", v_mode="dequant"),
-    GpuTuning(tile="block", n_groups=1, num_warps=4),
-    GpuTuning(tile="block", n_groups=2, num_warps=8),
-    GpuTuning(tile="block", n_groups=4, num_warps=8),
+CONFIGS = [  # (tuning, bits, n_rep): the default and tunings timed on the H200
+    (GpuTuning(), 2, 1),
+    (GpuTuning(), 4, 1),
+    (GpuTuning(), 2, 4),
+    (GpuTuning(score_groups=8), 2, 1),
+    (GpuTuning(prefetch=2), 2, 1),
+    (GpuTuning(value_rows=64, value_subtiles=2), 2, 1),
 ]
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """The kernel's Triton module as text, captured during lowering for CUDA."""
+    """The two kernels' Triton modules as text (score kernel, value kernel), captured during
+    lowering for CUDA."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     captured = []
@@ -74,7 +76,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     finally:
         lowering.lower_jaxpr_to_triton_module = original
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    return str(captured[-1].module)
+    return [str(c.module) for c in captured[-2:]]
 
 
 def hot_loop(sass: str) -> collections.Counter:
@@ -98,17 +100,19 @@ def hot_loop(sass: str) -> collections.Counter:
     return ops
 
 
-def analyse(tuning: GpuTuning, workdir: Path) -> dict:
+def compile_sass(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> tuple[str, str]:
+    """Triton IR -> (ptxas -v report, cuobjdump SASS) for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     src = workdir / "kernel.ttir"
-    src.write_text(triton_ir(tuning))
+    src.write_text(ttir)
     k = triton.compile(
-        str(src), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": tuning.num_warps, "num_stages": tuning.num_stages},
-    )  # fmt: skip
+        str(src),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
     ptx = workdir / "kernel.ptx"
     ptx.write_text(k.asm["ptx"])
     cubin = workdir / "kernel.cubin"
@@ -116,25 +120,42 @@ def analyse(tuning: GpuTuning, workdir: Path) -> dict:
         [bindir / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", cubin],
         capture_output=True, text=True, check=True,
     ).stderr  # fmt: skip
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spill = re.search(r"(\d+) bytes spill stores", info)
     sass = subprocess.run(
         [bindir / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True
     ).stdout
-    ops = hot_loop(sass)
-    n = sum(ops.values())
-    # Elements (keys + values) one thread handles per iteration (Llama-2-7B heads, D = 128).
-    per_thread = (tuning.n_groups * 32) * 128 * 2 / (tuning.num_warps * 32)
-    return {
-        "tuning": dataclasses.asdict(tuning),
-        "registers": regs,
-        "spill_bytes": int(spill.group(1)) if spill else 0,
-        "loop_instructions": n,
-        "per_value": n / per_thread,
-        "barriers": ops["BAR"],
-        "shared_ld_st": ops["LDS"] + ops["STS"],
-        "top": ops.most_common(12),
+    return info, sass
+
+
+def analyse(tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32) -> list:
+    """One record per kernel: registers, spills, loop instructions per code."""
+    n_rep_pow2 = 1 << (n_rep - 1).bit_length()
+    rows = max(1, tuning.value_rows // n_rep_pow2)
+    # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles)
+    per_thread = {
+        "score": tuning.score_groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
+        "value": rows * tuning.value_subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
     }
+    warps = {"score": tuning.score_warps, "value": tuning.value_warps}
+    out = []
+    for name, ttir in zip(("score", "value"), triton_ir(tuning, n_rep=n_rep, bits=bits),
+                          strict=True):  # fmt: skip
+        info, sass = compile_sass(ttir, warps[name], tuning.num_stages, workdir)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        ops = hot_loop(sass)
+        n = sum(ops.values())
+        out.append({
+            "kernel": name,
+            "tuning": dataclasses.asdict(tuning),
+            "bits": bits,
+            "n_rep": n_rep,
+            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_bytes": int(spill.group(1)) if spill else 0,
+            "loop_instructions": n,
+            "per_code": n / per_thread[name],
+            "barriers": ops["BAR"],
+            "top": ops.most_common(10),
+        })  # fmt: skip
+    return out
 
 
 def main(argv=None):
@@ -143,28 +164,29 @@ def main(argv=None):
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for t in CONFIGS:
-            r = analyse(t, Path(tmp))
-            rows.append(r)
-            print(r, flush=True)
+        for tuning, bits, n_rep in CONFIGS:
+            for r in analyse(tuning, bits, n_rep, Path(tmp)):
+                rows.append(r)
+                print(r, flush=True)
+    default = dataclasses.asdict(GpuTuning())
     lines = [
-        "# Fast-path loop of the KIVI decode kernel in SASS (sm_90a; KIVI-2, D=128, bf16)",
+        "# Main loops of the two decode kernels in SASS (sm_90a; D=128, G=32, bf16)",
         "",
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
-        "per value = loop instructions / (key + value elements one thread handles per iteration).",
+        "per code = loop instructions / (codes one thread handles per loop iteration; with GQA",
+        "each code is used by n_rep query heads).",
         "",
-        "| tile | k / v mode | n_groups | warps | regs | spill B | loop instr | per value "
-        "| BAR | LDS+STS | most frequent |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| kernel | bits | n_rep | tuning | regs | spill B | loop instr | per code | BAR "
+        "| most frequent |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        t = r["tuning"]
-        modes = f"{t['k_mode']} / {t['v_mode']}" if t["tile"] == "group" else "-"
+        changed = {k: v for k, v in r["tuning"].items() if v != default[k]} or "default"
         top = ", ".join(f"{op} {c}" for op, c in r["top"][:8])
         lines.append(
-            f"| {t['tile']} | {modes} | {t['n_groups']} | {t['num_warps']} | {r['registers']} | "
-            f"{r['spill_bytes']} | {r['loop_instructions']} | {r['per_value']:.1f} | "
-            f"{r['barriers']} | {r['shared_ld_st']} | {top} |"
+            f"| {r['kernel']} | {r['bits']} | {r['n_rep']} | {changed} | {r['registers']} | "
+            f"{r['spill_bytes']} | {r['loop_instructions']} | {r['per_code']:.2f} | "
+            f"{r['barriers']} | {top} |"
         )
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
