@@ -29,9 +29,32 @@ from kivi_jax.pallas_kernels.decode_attention import (
     decode_attention_pallas,
     supported_config_reason,
 )
+from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    _byte_to_field,
+    _field,
+    _field_weight,
+    _words,
+)
 
 import kivi_jax
 from kivi_jax.cache import dequantized_heads_major
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_decode_exactly_from_words(bits):
+    """Every code of every byte, at every byte position of a word, comes out of the kernels'
+    bit tricks as the float32 1 + c * 2**(bits*j - 8) with c what unpack_codes reads."""
+    per = 8 // bits
+    byte = np.arange(256, dtype=np.uint8)
+    codes = np.asarray(kivi_jax.quantization.unpack_codes(jnp.asarray(byte), bits, axis=0))
+    codes = codes.reshape(256, per)  # codes[b, j]: field j of byte value b
+    for r in range(4):  # the byte's position in its word; the other bytes hold junk
+        junk = np.random.default_rng(r).integers(0, 256, (256, 4), dtype=np.uint8)
+        junk[:, r] = byte
+        aligned = _byte_to_field(_words(jnp.asarray(junk))[:, 0], r)
+        for j in range(per):
+            x = np.asarray(_field(aligned, j, bits))
+            np.testing.assert_array_equal(_field_weight(j, bits) * (x - 1), codes[:, j])
 
 
 def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
