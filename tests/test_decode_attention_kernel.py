@@ -220,6 +220,16 @@ def test_dispatch(rng):
         kivi_jax.decode_attention(q, c8, impl="pallas", interpret=True)
 
 
+def test_bad_tunings_are_named():
+    with pytest.raises(ValueError, match="prefetch"):
+        GpuTuning(prefetch=0)
+    with pytest.raises(ValueError, match="value_warps"):
+        GpuTuning(value_warps=6)
+    with pytest.raises(ValueError, match="num_splits"):
+        GpuTuning(num_splits=0)
+    assert GpuTuning(num_splits=None).num_splits is None
+
+
 def test_unsupported_configs_are_named():
     ok = dict(k_bits=2, v_bits=2, group_size=32, head_dim=128, dtype=jnp.bfloat16)
     assert supported_config_reason(**ok) is None

@@ -96,6 +96,17 @@ class GpuTuning:
     target_programs: int = 4 * 132
     num_stages: int = 2
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None and f.name == "num_splits":
+                continue
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
+        for name in ("score_warps", "value_warps"):
+            if getattr(self, name) & (getattr(self, name) - 1):
+                raise ValueError(f"GpuTuning.{name} must be a power of two")
+
 
 def supported_config_reason(
     *, k_bits: int, v_bits: int, group_size: int, head_dim: int, dtype
