@@ -270,9 +270,8 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
     def scores(q, state):
         b, hq, d = q.shape
         qs = q.astype(jnp.float32).reshape(b, kv_heads, hq // kv_heads, d)
-        st = state
-        return key_scores(qs, st["k_codes"], st["k_scale"], st["k_zero"], st["lengths"],
-                          bits=bits, **kw)[1]  # fmt: skip
+        return key_scores(qs, state["k_codes"], state["k_scale"], state["k_zero"],
+                          state["lengths"], bits=bits, **kw)[1]  # fmt: skip
 
     def values(q, state):
         st, logits = state

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
+from kivi_jax.pallas_kernels.decode_attention.gpu import tile_sizes
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and tunings timed on the H200
     (GpuTuning(), 2, 1),
@@ -126,19 +127,20 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> t
     return info, sass
 
 
-def analyse(tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32) -> list:
+def analyse(
+    tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32, C=32768
+) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
-    n_rep_pow2 = 1 << (n_rep - 1).bit_length()
-    rows = max(1, tuning.value_rows // n_rep_pow2)
+    t = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
     # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles)
     per_thread = {
-        "score": tuning.score_groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
-        "value": rows * tuning.value_subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
+        "score": t.score_groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
+        "value": t.value_rows * t.value_subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
     }
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}
     out = []
-    for name, ttir in zip(("score", "value"), triton_ir(tuning, n_rep=n_rep, bits=bits),
-                          strict=True):  # fmt: skip
+    modules = triton_ir(tuning, n_rep=n_rep, bits=bits, D=D, C=C, G=G)
+    for name, ttir in zip(("score", "value"), modules, strict=True):
         info, sass = compile_sass(ttir, warps[name], tuning.num_stages, workdir)
         spill = re.search(r"(\d+) bytes spill stores", info)
         ops = hot_loop(sass)

@@ -133,6 +133,29 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class TileSizes:
+    """The tiles a tuning gives at one capacity and GQA ratio (powers of two dividing them)."""
+
+    program_groups: int  # key groups per score-kernel program
+    score_groups: int  # key groups per score-kernel iteration
+    value_rows: int  # tokens per value sub-tile
+    value_subtiles: int  # value sub-tiles per iteration; rows * subtiles divides the capacity
+
+
+def tile_sizes(tuning: GpuTuning, *, capacity: int, group_size: int, n_rep: int) -> TileSizes:
+    """What `key_scores` and `weighted_values` run with (so loads never leave the arrays)."""
+    n_groups = capacity // group_size
+    program_groups = _pow2_divisor(n_groups, tuning.score_program_groups)
+    rows = _pow2_divisor(capacity, max(1, tuning.value_rows // pl.next_power_of_2(n_rep)))
+    return TileSizes(
+        program_groups=program_groups,
+        score_groups=_pow2_divisor(program_groups, tuning.score_groups),
+        value_rows=rows,
+        value_subtiles=_pow2_divisor(capacity // rows, tuning.value_subtiles),
+    )
+
+
 def _byte_to_field(words, r: int):
     """int32 words -> byte r at bits [15, 23), OR-ed with float32 1.0 (a shift and an OR)."""
     s = 8 * r - _FIELD_LO
@@ -224,17 +247,21 @@ def _score_kernel(
     n_tiles = jnp.clip(pl.cdiv(qk_groups - g_base, n1), 0, NG // n1)
     q = [[q_ref[h, r, :][None, :] for r in range(4)] for h in range(n_rep)]  # [1, W] each
 
+    def first_group(k):
+        """Tile k's first group. Tiles past the program's last are clamped to it: recomputed
+        and stored again unchanged."""
+        return jnp.minimum(k, NG // n1 - 1) * n1
+
     def load(k):
-        """Tile k's words, scales and zero points (byte r of each word: channel 4w + r). Tiles
-        past the program's last are clamped to it: recomputed and stored again unchanged."""
-        g0 = jnp.minimum(k, NG // n1 - 1) * n1
+        """Tile k's words, scales and zero points (byte r of each word: channel 4w + r)."""
+        g0 = first_group(k)
         scale = tuple(ks_ref[pl.ds(g0, n1), :, r] for r in range(4))  # [n1, W] each
         zero = tuple(kz_ref[pl.ds(g0, n1), :, r] for r in range(4))
         return kw_ref[pl.ds(g0, n1)], scale, zero
 
     def compute(k, tile, m):
         words, scale, zero = tile
-        g0 = jnp.minimum(k, NG // n1 - 1) * n1
+        g0 = first_group(k)
         aligned = [_byte_to_field(words, r) for r in range(4)]  # [n1, GB, W]
         s = [x.astype(jnp.float32) for x in scale]
         z = [x.astype(jnp.float32) for x in zero]
@@ -344,8 +371,8 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
     GB, W = G // kpb, D // 4  # token bytes per key group, words per token byte
-    NG = _pow2_divisor(C // G, tuning.score_program_groups)  # groups per program
-    n1 = min(_pow2_divisor(NG, tuning.score_groups), NG)  # groups per iteration
+    tiles = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
+    NG, n1 = tiles.program_groups, tiles.score_groups  # groups per program, per iteration
     P = C // G // NG
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
@@ -400,8 +427,8 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     D = v_codes.shape[3] * (8 // bits)
     G, vpb = group_size, 8 // bits
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
-    rows = _pow2_divisor(C, max(1, tuning.value_rows // pl.next_power_of_2(n_rep)))
-    subtiles = _pow2_divisor(C // rows, tuning.value_subtiles)  # step divides C: loads stay in
+    tiles = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
+    rows, subtiles = tiles.value_rows, tiles.value_subtiles
     step = rows * subtiles
     n_steps = C // step
     if tuning.num_splits is not None:
