@@ -197,14 +197,17 @@ def _stack_fields(fields):
     return fields[0]
 
 
-def _pipelined_loop(n_tiles, depth: int, load, compute, carry):
+def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live):
     """carry = compute(k, load(k), carry) for k in [0, n_tiles), loads issued `depth` tiles ahead.
 
     Each step first issues the load of tile k + depth, then computes tile k, so a load has
     `depth` computations' time to arrive (Triton pipelines only loads that feed a dot). The
-    body is unrolled `depth` times over a ring of tiles; the last round may run up to depth - 1
-    tiles past n_tiles, and the loads of the last `depth` steps go past it too: `load` and
-    `compute` must clamp such tiles into bounds and mask them.
+    computation sits in a branch on `live(k)` (true for every k < n_tiles, in a form the
+    compiler cannot fold): without a branch between them, ptxas moves the loads below the
+    arithmetic, to the end of the loop body, where nothing overlaps their latency. The body is
+    unrolled `depth` times over a ring of tiles; the last round may run up to depth - 1 tiles
+    past n_tiles (skipped by `live`), and the loads of the last `depth` steps go past it too:
+    `load` must clamp such tiles into bounds.
     """
     ring = tuple(load(k) for k in range(depth))
 
@@ -214,7 +217,7 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry):
         for u in range(depth):
             k = i * depth + u
             ahead = load(k + depth)
-            carry = compute(k, ring[u], carry)
+            carry = lax.cond(live(k), functools.partial(compute, k, ring[u]), lambda c: c, carry)
             ring[u] = ahead
         return carry, tuple(ring)
 
@@ -248,8 +251,7 @@ def _score_kernel(
     q = [[q_ref[h, r, :][None, :] for r in range(4)] for h in range(n_rep)]  # [1, W] each
 
     def first_group(k):
-        """Tile k's first group. Tiles past the program's last are clamped to it: recomputed
-        and stored again unchanged."""
+        """Tile k's first group (tiles past the program's last are loaded from it, not used)."""
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
@@ -281,7 +283,8 @@ def _score_kernel(
         return tuple(m)
 
     m_init = (jnp.full((n1, GB), _NEG_INIT, jnp.float32),) * n_rep  # reduced after the loop
-    m = _pipelined_loop(n_tiles, prefetch, load, compute, m_init)
+    live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles
+    m = _pipelined_loop(n_tiles, prefetch, load, compute, m_init, live)
     for h in range(n_rep):
         m_ref[h] = jnp.max(m[h])
 
@@ -316,7 +319,7 @@ def _value_kernel(
 
     def load(k):
         """Tile k's codes, scales, zero points and logits per sub-tile (rows clamped into the
-        capacity: a tile past the split is loaded from in-bounds rows and fully masked)."""
+        capacity: a tile past the split is loaded from in-bounds rows, not used)."""
         tiles = []
         for sub in range(subtiles):
             t0 = jnp.minimum(lo + k * step, C - step) + sub * rows
@@ -352,7 +355,8 @@ def _value_kernel(
         tuple(zeros(rows, n_ch) for _ in range(n_rep)),
         tuple(zeros(rows) for _ in range(n_rep)),
     )
-    acc, sp, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry)
+    live = lambda k: lo + k * step < hi  # k < n_tiles
+    acc, sp, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live)
     for h in range(n_rep):
         sp_h = jnp.sum(sp[h], axis=0)[:, None]  # [n_ch, 1]
         pz_h = jnp.sum(pz[h], axis=0)[:, None]
