@@ -93,6 +93,27 @@ def _timed(fn, args, *, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_interleaved(runs: dict, *, rounds: int) -> dict:
+    """Median seconds of each entry's fn(*args) (runs: name -> (fn, args)), timed round-robin,
+    one call of each entry per round, so that drift in the machine's speed over the run hits
+    every entry alike. An entry that fails to build or run is returned as its error string."""
+    out, live = {}, {}
+    for name, (fn, args) in runs.items():
+        try:
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
+            live[name] = (fn, args)
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    times = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, (fn, args) in live.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return out | {name: statistics.median(t) for name, t in times.items()}
+
+
 def measure_read_bandwidth(gib: float = 8.0, repeats: int = 10) -> dict[str, float]:
     """Bytes/s of reductions that read a `gib` GiB array once per call (float32 and uint32 sums,
     and a float32 sum over rows, which XLA tiles differently). The best is the peak."""
@@ -304,29 +325,48 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 
 
 # Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
+_FOUR_WARPS = dict(score_groups=4, score_warps=4)  # the score programs before this tuning
 SWEEP = [
     GpuTuning(),
-    GpuTuning(score_groups=8),
-    GpuTuning(prefetch=2),
-    GpuTuning(value_rows=64, value_subtiles=2),
-    GpuTuning(score_warps=8, value_warps=8, value_rows=256),
+    GpuTuning(**_FOUR_WARPS, value_rows=128, value_subtiles=1, prefetch=1),
+    GpuTuning(**_FOUR_WARPS),
+    GpuTuning(value_rows=128, value_subtiles=1, prefetch=1),
+    GpuTuning(value_rows=128, value_subtiles=1),
+    GpuTuning(score_program_groups=32),
+    GpuTuning(score_groups=2, score_warps=2, score_program_groups=32),
+    GpuTuning(prefetch=1),
 ]
 
 
-def sweep(s: Shape, *, calls, repeats, peak, smoke=False) -> list[dict]:
-    """Times KIVI-2 on one shape under each SWEEP entry."""
-    out = []
+def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
+    """Times KIVI-2 on one shape under each SWEEP entry, the whole step and (on a GPU) each
+    kernel alone, all entries interleaved round by round."""
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, 2)
-    for t in SWEEP:
-        step = kivi_step(2, t, interpret=smoke)
-        try:
-            sec = _timed(_many_calls(step, qs, states), (qs, states), repeats=repeats) / calls
-            rec = {"us": sec * 1e6, "pct_peak": 100 * kivi_bytes(s, 2) / sec / peak}
-        except Exception as e:
-            rec = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        out.append({"shape": s.name, "tuning": dataclasses.asdict(t), **rec})
+    logits = [
+        jax.random.normal(jax.random.fold_in(key, i), (s.batch, s.kv_heads,
+                          s.q_heads // s.kv_heads, s.context), jnp.float32)
+        for i in range(len(states))
+    ]  # fmt: skip
+    runs = {}
+    for i, t in enumerate(SWEEP):
+        runs[i, "us"] = (_many_calls(kivi_step(2, t, interpret=smoke), qs, states), (qs, states))
+        if not smoke:
+            scores, values = kernel_steps(2, t, s.kv_heads)
+            with_logits = list(zip(states, logits, strict=True))
+            runs[i, "score_kernel_us"] = (_many_calls(scores, qs, states), (qs, states))
+            runs[i, "value_kernel_us"] = (_many_calls(values, qs, with_logits), (qs, with_logits))
+    timed = timed_interleaved(runs, rounds=rounds)
+    out = []
+    for i, t in enumerate(SWEEP):
+        rec = {"shape": s.name, "tuning": dataclasses.asdict(t)}
+        for (j, name), v in timed.items():
+            if j == i:
+                rec[name] = v / calls * 1e6 if isinstance(v, float) else v
+        if isinstance(rec.get("us"), float):
+            rec["pct_peak"] = 100 * kivi_bytes(s, 2) / (rec["us"] * 1e-6) / peak
+        out.append(rec)
         print(f"  sweep {t}: {rec}", flush=True)
     return out
 
@@ -378,12 +418,24 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"{r['value_kernel_us']:.1f} |"
             )
     if result.get("sweep"):
-        lines += ["", "## KIVI-2 tunings", "", "| shape | tuning | µs | % of peak |"]
-        lines.append("|---|---|---:|---:|")
+        lines += [
+            "",
+            "## KIVI-2 tunings",
+            "",
+            "All entries timed interleaved (one run of each per "
+            "round, median over the rounds), the kernels alone on random logits.",
+            "",
+        ]
+        lines.append("| shape | tuning | µs | % of peak | score kernel µs | value kernel µs |")
+        lines.append("|---|---|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
-            us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
-            lines.append(f"| {r['shape']} | {changed or 'default'} | {us} |")
+            us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "pct_peak" in r else "failed |"
+            alone = " | ".join(
+                f"{r[k]:.1f}" if isinstance(r.get(k), float) else ""
+                for k in ("score_kernel_us", "value_kernel_us")
+            )
+            lines.append(f"| {r['shape']} | {changed or 'default'} | {us} | {alone} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -460,7 +512,9 @@ def main(argv=None) -> None:
             else shapes[0]
         )
         print(f"sweep on {s0.name}", flush=True)
-        result["sweep"] = sweep(s0, calls=args.calls, repeats=7, peak=peak, smoke=args.smoke)
+        result["sweep"] = sweep(
+            s0, calls=args.calls, rounds=args.repeats, peak=peak, smoke=args.smoke
+        )
     if args.kernels and not args.smoke:
         result["kernels"] = [
             time_kernels(s, bits, calls=args.calls, repeats=args.repeats, tuning=tuning)

@@ -1,0 +1,239 @@
+"""What bounds each decode kernel: its time with all its work, with its loads only, and with its
+arithmetic only (H200 or any CUDA GPU).
+
+The two kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop through
+``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times each kernel
+alone at one shape three ways, by swapping that function while the kernel is traced:
+
+* ``full``: the kernel as shipped;
+* ``loads``: every tile is loaded as in the kernel and folded into the carry with one add per
+  element (the arithmetic is gone, the bytes and the loop stay);
+* ``arith``: tile 0 is loaded once, before the loop; every iteration computes on it with its
+  int32 words XOR-ed with the tile index (so nothing is loop-invariant): the arithmetic stays,
+  the memory traffic is gone.
+
+If ``full`` is close to ``max(loads, arith)`` the two overlap and the larger one is the limit; if
+it is close to their sum, they do not overlap. A background sampler records the SM clock
+(nvidia-smi) during each timing, which turns times into cycles.
+
+    python benchmarks/kernel_limits.py --out benchmarks/results
+
+writes kernel_limits.json and kernel_limits.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu
+
+sys.path.insert(0, str(Path(__file__).parent))
+import attention as bench  # the timing harness and random states
+
+
+def _loads_only_loop(n_tiles, depth, load, compute, carry, live):
+    """The kernel's loop and loads (each tile's loads issued ahead, as shipped), with `compute`
+    replaced by folding each loaded array into a carry array with one add per element (an array
+    of the carry's shape, or the loaded one summed over trailing axes until one matches)."""
+    del compute
+
+    def fold(k, tile, carry):
+        leaves, tree = jax.tree.flatten(carry)
+        for x in jax.tree.leaves(tile):
+            if x.dtype == jnp.int32:
+                x = lax.bitcast_convert_type(x & 0x3FFFFFFF, jnp.float32)  # finite floats
+            x = x.astype(jnp.float32)
+            while True:
+                i = next((i for i, c in enumerate(leaves) if c.shape[: x.ndim] == x.shape), None)
+                if i is not None:
+                    c = leaves[i]
+                    leaves[i] = c + x.reshape(*x.shape, *(1,) * (c.ndim - x.ndim))
+                    break
+                x = jnp.sum(x, axis=-1)
+        return jax.tree.unflatten(tree, leaves)
+
+    return _SHIPPED_LOOP(n_tiles, depth, load, fold, carry, live)
+
+
+def _arith_only_loop(n_tiles, depth, load, compute, carry, live):
+    """Computes every tile from tile 0, loaded once before the loop (int32 words XOR k)."""
+    del depth
+    tile0 = load(0)
+
+    def body(k, carry):
+        tile = jax.tree.map(lambda x: x ^ k if x.dtype == jnp.int32 else x, tile0)
+        return lax.cond(live(k), functools.partial(compute, k, tile), lambda c: c, carry)
+
+    return lax.fori_loop(0, n_tiles, body, carry)
+
+
+_SHIPPED_LOOP = gpu._pipelined_loop
+VARIANTS = {"full": None, "loads": _loads_only_loop, "arith": _arith_only_loop}
+
+
+@contextlib.contextmanager
+def _loop(variant: str):
+    if VARIANTS[variant] is not None:
+        gpu._pipelined_loop = VARIANTS[variant]
+    try:
+        yield
+    finally:
+        gpu._pipelined_loop = _SHIPPED_LOOP
+
+
+class ClockSampler:
+    """SM clock (MHz) from nvidia-smi every ~0.1 s in a thread; `median(t0, t1)` over a window."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = None
+        if shutil.which("nvidia-smi"):
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        cmd = ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            out = subprocess.run(cmd, capture_output=True, text=True).stdout.split()
+            if out:
+                self.samples.append((time.perf_counter(), float(out[0])))
+            time.sleep(0.1)
+
+    def median(self, t0: float, t1: float) -> float | None:
+        window = [mhz for t, mhz in self.samples if t0 <= t <= t1]
+        return statistics.median(window) if window else None
+
+    def stop(self):
+        self._stop.set()
+
+
+def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clock) -> list:
+    key = jax.random.key(3)
+    qs = bench._queries(key, s, calls)
+    states = bench.kivi_states(key, s, bits)
+    logits = [
+        jax.random.normal(jax.random.fold_in(key, i),
+                          (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.context), jnp.float32)
+        for i in range(len(states))
+    ]  # fmt: skip
+    scores, values = bench.kernel_steps(bits, tuning, s.kv_heads)
+    kernels = {
+        "score": (scores, states),
+        "value": (values, list(zip(states, logits, strict=True))),
+    }
+    runs, errors = {}, {}
+    for kernel, (fn, st) in kernels.items():
+        for variant in VARIANTS:
+            try:
+                with _loop(variant):  # the variant is fixed when the kernel is traced
+                    run = bench._many_calls(fn, qs, st).lower(qs, st).compile()
+                runs[kernel, variant] = (run, (qs, st))
+            except Exception as e:  # a variant that does not build is reported, not fatal
+                errors[kernel, variant] = f"{type(e).__name__}: {str(e)[:300]}"
+    t0 = time.perf_counter()
+    timed = bench.timed_interleaved(runs, rounds=repeats) | errors
+    mhz = clock.median(t0, time.perf_counter())
+    out = []
+    for (kernel, variant), v in timed.items():
+        rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
+               "bytes": kernel_bytes(s, bits, kernel), "sm_clock_mhz": mhz}  # fmt: skip
+        if isinstance(v, float):
+            rec["us"] = v / calls * 1e6
+        else:
+            rec["error"] = v
+        print(f"  {rec}", flush=True)
+        out.append(rec)
+    return out
+
+
+def kernel_bytes(s: bench.Shape, bits: int, kernel: str) -> int:
+    """Bytes a kernel reads: codes, bf16 scales and zero points, and (value kernel) the float32
+    logits of every query head."""
+    bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
+    codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
+    return bh * (codes + params + (4 * c * n_rep if kernel == "value" else 0))
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = [
+        f"# What bounds each decode kernel ({result['device']}, jax {result['jax']})",
+        "",
+        "Each kernel alone, timed as its shipped loop (`full`), with its loads only (`loads`),",
+        "and with its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
+        f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
+        f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
+        "",
+        "| shape | bits | kernel | MB read | full µs | loads µs | loads GB/s | arith µs "
+        "| full / max(loads, arith) | SM MHz |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    by = {}
+    for r in result["rows"]:
+        by.setdefault((r["shape"], r["bits"], r["kernel"]), {})[r["variant"]] = r
+    for (shape, bits, kernel), v in by.items():
+        us = {k: v[k].get("us") for k in VARIANTS}
+        fmt = lambda x: f"{x:.1f}" if x is not None else "failed"
+        ratio = (
+            f"{us['full'] / max(us['loads'], us['arith']):.2f}" if None not in us.values() else ""
+        )
+        mhz = v["full"].get("sm_clock_mhz")
+        nbytes = v["full"]["bytes"]
+        gbs = f"{nbytes / us['loads'] / 1e3:.0f}" if us["loads"] is not None else ""
+        lines.append(
+            f"| {shape} | {bits} | {kernel} | {nbytes / 1e6:.0f} | {fmt(us['full'])} | "
+            f"{fmt(us['loads'])} | {gbs} | {fmt(us['arith'])} | {ratio} | "
+            f"{mhz if mhz is not None else ''} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--gqa", action="store_true", help="also Llama-3-8B heads (GQA 4)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tuning = GpuTuning()
+    shapes = [s for s in bench.SHAPES if (s.batch, s.context) == (8, 32768)]
+    shapes = shapes if args.gqa else shapes[:1]
+    clock = ClockSampler()
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "calls": args.calls,
+        "repeats": args.repeats,
+        "tuning": dataclasses.asdict(tuning),
+        "rows": [],
+    }
+    for s in shapes:
+        for bits in (2, 4):
+            result["rows"] += measure(
+                s, bits, tuning, calls=args.calls, repeats=args.repeats, clock=clock
+            )
+            (args.out / "kernel_limits.json").write_text(json.dumps(result, indent=1))
+    clock.stop()
+    result["clock_samples_mhz"] = [mhz for _, mhz in clock.samples]
+    (args.out / "kernel_limits.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, args.out / "kernel_limits.md")
+    print((args.out / "kernel_limits.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
