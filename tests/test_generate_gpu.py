@@ -58,10 +58,12 @@ def test_decode_with_the_kernel_matches_the_reference(monkeypatch, kv):
     reference = _teacher_forced_logits(params, kv, "reference", monkeypatch)
     kernel = _teacher_forced_logits(params, kv, "pallas", monkeypatch)
     # The kernel rounds each layer's attention output to bf16 where the reference rounds after
-    # float32 math in a different order: the difference is rounding, a small fraction of the
-    # logits' scale.
+    # float32 math in a different order, and 140 bf16 steps of a random-weight model amplify
+    # any rounding difference: on the H200 the reference itself lands 0.024-0.040 away from
+    # its own CPU run by this measure, and kernel tunings that only reorder float32 sums
+    # 0.005-0.032 away from it (benchmarks/results/model_noise.md). A real error is far larger.
     err = float(jnp.max(jnp.abs(kernel - reference)) / jnp.max(jnp.abs(reference)))
-    assert err < 0.03, err
+    assert err < 0.08, err
     agree = float(jnp.mean(jnp.argmax(kernel, -1) == jnp.argmax(reference, -1)))
     assert agree > 0.95, agree
 

@@ -85,13 +85,13 @@ class GpuTuning:
     The defaults are the fastest of the H200 sweeps at Llama-2-7B heads (docs/performance.md).
     """
 
-    score_groups: int = 4
+    score_groups: int = 1
     score_program_groups: int = 16
-    score_warps: int = 4
-    value_rows: int = 128
-    value_subtiles: int = 1
+    score_warps: int = 1
+    value_rows: int = 64
+    value_subtiles: int = 2
     value_warps: int = 4
-    prefetch: int = 1
+    prefetch: int = 2
     num_splits: int | None = None
     target_programs: int = 4 * 132
     num_stages: int = 2
