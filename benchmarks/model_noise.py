@@ -25,43 +25,23 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attention import PREVIOUS_DEFAULT
 from kivi_jax.models import llama
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, decode_attention_pallas
 
 import kivi_jax
-from kivi_jax.generate import resolve_kv
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from tiny_model import tiny_params  # the tests' random-weight model
+import tiny_model  # the tests' random-weight model and their teacher-forced decode loop
 
-BATCH, PROMPT, STEPS, MAX_LEN = 2, 200, 140, 512  # as in tests/test_generate_gpu.py
-TUNINGS = {
-    "default tuning": GpuTuning(),
-    "previous default": GpuTuning(
-        score_groups=4, score_warps=4, value_rows=128, value_subtiles=1, prefetch=1
-    ),
-}
+STEPS, MAX_LEN = 140, 512  # as in tests/test_generate_gpu.py
+TUNINGS = {"default tuning": GpuTuning(), "previous default": PREVIOUS_DEFAULT}
 
 
 def teacher_forced_logits(params, kv: str, attend) -> jax.Array:
-    """Logits [STEPS, B, V] of decode steps on random tokens, attention by `attend(q, cache)`."""
+    """The GPU test's logits [STEPS, B, V], attention by `attend(q, cache)`."""
     llama.decode_attention = attend  # read by decode_step when it is traced
-    c = params.config
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(3, c.vocab_size, size=(BATCH, PROMPT + STEPS)), jnp.int32)
-    lengths = jnp.array([PROMPT, PROMPT - 50], jnp.int32)
-    cache = kivi_jax.init_cache(
-        resolve_kv(kv), batch=BATCH, max_len=MAX_LEN, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, dtype=jnp.bfloat16, num_layers=c.num_layers,
-    )  # fmt: skip
-    # fresh lambdas: jit would reuse a trace of llama's own functions made with another `attend`
-    _, cache = jax.jit(lambda *a: llama.prefill(*a))(params, tokens[:, :PROMPT], lengths, cache)
-    step = jax.jit(lambda *a: llama.decode_step(*a))
-    logits = []
-    for t in range(STEPS):
-        out, cache = step(params, tokens[:, PROMPT + t], lengths + t, cache)
-        logits.append(out)
-    return jnp.stack(logits)
+    return tiny_model.teacher_forced_logits(params, kv, steps=STEPS, max_len=MAX_LEN)
 
 
 def compare(a, b) -> dict:
@@ -81,7 +61,7 @@ def main(argv=None) -> None:
     reference = functools.partial(kivi_jax.decode_attention, impl="reference")
     rows = []
     for kv in ("kivi2", "kivi4"):
-        params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
+        params = tiny_model.tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
         ref = teacher_forced_logits(params, kv, reference)
         with jax.default_device(cpu):
             ref_cpu = teacher_forced_logits(jax.device_put(params, cpu), kv, reference)

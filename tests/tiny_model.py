@@ -10,9 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
+from kivi_jax.models import llama
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, init_params
 from tokenizers import decoders, models, pre_tokenizers
+
+import kivi_jax
+from kivi_jax.generate import resolve_kv
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols
@@ -45,6 +49,28 @@ def tiny_config(**overrides) -> LlamaConfig:
 
 def tiny_params(seed: int = 0, dtype=jnp.float32, **overrides) -> LlamaParams:
     return init_params(tiny_config(**overrides), jax.random.key(seed), dtype)
+
+
+def teacher_forced_logits(params: LlamaParams, kv, *, batch=2, prompt=200, steps=140,
+                          max_len=512) -> jax.Array:  # fmt: skip
+    """Logits [steps, batch, V] of decode steps fed random tokens after a random prompt (row 1
+    50 tokens shorter), attending through whatever `llama.decode_attention` is when called."""
+    c = params.config
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, c.vocab_size, size=(batch, prompt + steps)), jnp.int32)
+    lengths = jnp.array([prompt - 50 * (i % 2) for i in range(batch)], jnp.int32)
+    cache = kivi_jax.init_cache(
+        resolve_kv(kv), batch=batch, max_len=max_len, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=jnp.bfloat16, num_layers=c.num_layers,
+    )  # fmt: skip
+    # fresh lambdas: jit would reuse a trace of llama's functions made with another attention
+    _, cache = jax.jit(lambda *a: llama.prefill(*a))(params, tokens[:, :prompt], lengths, cache)
+    step = jax.jit(lambda *a: llama.decode_step(*a))
+    logits = []
+    for t in range(steps):
+        out, cache = step(params, tokens[:, prompt + t], lengths + t, cache)
+        logits.append(out)
+    return jnp.stack(logits)
 
 
 def gguf_tokenizer_fields() -> dict:

@@ -82,7 +82,8 @@ class GpuTuning:
     num_splits: value-kernel token splits per (sequence, KV head); None aims at
       target_programs programs.
 
-    The defaults are the fastest of the H200 sweeps at Llama-2-7B heads (docs/performance.md).
+    The defaults are among the fastest of the H200 sweeps at Llama-2-7B heads (within the
+    timing spread of the fastest), picked for their registers (docs/performance.md).
     """
 
     score_groups: int = 1
@@ -203,11 +204,13 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live):
     Each step first issues the load of tile k + depth, then computes tile k, so a load has
     `depth` computations' time to arrive (Triton pipelines only loads that feed a dot). The
     computation sits in a branch on `live(k)` (true for every k < n_tiles, in a form the
-    compiler cannot fold): without a branch between them, ptxas moves the loads below the
-    arithmetic, to the end of the loop body, where nothing overlaps their latency. The body is
-    unrolled `depth` times over a ring of tiles; the last round may run up to depth - 1 tiles
-    past n_tiles (skipped by `live`), and the loads of the last `depth` steps go past it too:
-    `load` must clamp such tiles into bounds.
+    compiler cannot fold): without a branch between them ptxas may move the loads below the
+    arithmetic, to the end of the loop body, where nothing overlaps their latency (it did in
+    the 2-bit MHA value kernel: benchmarks/results/cuda_core_sweeps/run5_sass_before.md). The
+    body is unrolled `depth` times over a ring of tiles; the last round may run up to
+    depth - 1 tiles past n_tiles, and the loads of the last `depth` steps go past it too:
+    `load` must clamp such tiles into bounds, and `live` must be false for them or their
+    computation harmless.
     """
     ring = tuple(load(k) for k in range(depth))
 
@@ -251,7 +254,9 @@ def _score_kernel(
     q = [[q_ref[h, r, :][None, :] for r in range(4)] for h in range(n_rep)]  # [1, W] each
 
     def first_group(k):
-        """Tile k's first group (tiles past the program's last are loaded from it, not used)."""
+        """Tile k's first group. Tiles past the program's last are clamped to it: skipped, or
+        (where `live` still holds because later programs have groups) recomputed and stored
+        again unchanged."""
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
@@ -283,7 +288,7 @@ def _score_kernel(
         return tuple(m)
 
     m_init = (jnp.full((n1, GB), _NEG_INIT, jnp.float32),) * n_rep  # reduced after the loop
-    live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles
+    live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles, or a clamped tile (above)
     m = _pipelined_loop(n_tiles, prefetch, load, compute, m_init, live)
     for h in range(n_rep):
         m_ref[h] = jnp.max(m[h])
