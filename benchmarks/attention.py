@@ -309,19 +309,26 @@ def random_logits(key, s: Shape, n: int) -> list:
     return [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) for i in range(n)]
 
 
+def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> dict:
+    """{"score_kernel_us": (fn, args), "value_kernel_us": (fn, args)}: each kernel alone as one
+    jit of len(qs) calls, with its arguments."""
+    scores, values = kernel_steps(bits, tuning, s.kv_heads)
+    with_logits = list(zip(states, logits, strict=True))
+    return {
+        "score_kernel_us": (_many_calls(scores, qs, states), (qs, states)),
+        "value_kernel_us": (_many_calls(values, qs, with_logits), (qs, with_logits)),
+    }
+
+
 def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     """Microseconds per call of the score kernel and of the value kernel alone."""
     key = jax.random.key(2)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, bits)
     logits = random_logits(key, s, len(states))
-    scores, values = kernel_steps(bits, tuning, s.kv_heads)
     out = {"shape": s.name, "bits": bits}
-    for name, fn, st in (
-        ("score_kernel", scores, states),
-        ("value_kernel", values, list(zip(states, logits, strict=True))),
-    ):
-        out[f"{name}_us"] = _timed(_many_calls(fn, qs, st), (qs, st), repeats=repeats) / calls * 1e6
+    for name, (fn, args) in kernel_runs(s, bits, tuning, qs, states, logits).items():
+        out[name] = _timed(fn, args, repeats=repeats) / calls * 1e6
     print(f"  kernels alone: {out}", flush=True)
     return out
 
@@ -330,12 +337,11 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 PREVIOUS_DEFAULT = GpuTuning(
     score_groups=4, score_warps=4, value_rows=128, value_subtiles=1, prefetch=1
 )
-_FOUR_WARPS = dict(score_groups=4, score_warps=4)
 # Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
 SWEEP = [
     GpuTuning(),
     PREVIOUS_DEFAULT,
-    GpuTuning(**_FOUR_WARPS),
+    GpuTuning(score_groups=4, score_warps=4),
     GpuTuning(value_rows=128, value_subtiles=1, prefetch=1),
     GpuTuning(value_rows=128, value_subtiles=1),
     GpuTuning(score_program_groups=32),
@@ -355,10 +361,8 @@ def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
     for i, t in enumerate(SWEEP):
         runs[i, "us"] = (_many_calls(kivi_step(2, t, interpret=smoke), qs, states), (qs, states))
         if not smoke:
-            scores, values = kernel_steps(2, t, s.kv_heads)
-            with_logits = list(zip(states, logits, strict=True))
-            runs[i, "score_kernel_us"] = (_many_calls(scores, qs, states), (qs, states))
-            runs[i, "value_kernel_us"] = (_many_calls(values, qs, with_logits), (qs, with_logits))
+            for name, run in kernel_runs(s, 2, t, qs, states, logits).items():
+                runs[i, name] = run
     timed = timed_interleaved(runs, rounds=rounds)
     out = []
     for i, t in enumerate(SWEEP):

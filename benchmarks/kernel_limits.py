@@ -131,18 +131,14 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     qs = bench._queries(key, s, calls)
     states = bench.kivi_states(key, s, bits)
     logits = bench.random_logits(key, s, len(states))
-    scores, values = bench.kernel_steps(bits, tuning, s.kv_heads)
-    kernels = {
-        "score": (scores, states),
-        "value": (values, list(zip(states, logits, strict=True))),
-    }
     runs, errors = {}, {}
-    for kernel, (fn, st) in kernels.items():
-        for variant in VARIANTS:
+    for variant in VARIANTS:
+        kernels = bench.kernel_runs(s, bits, tuning, qs, states, logits)
+        for name, (fn, args) in kernels.items():
+            kernel = name.removesuffix("_kernel_us")  # "score" or "value"
             try:
                 with _loop(variant):  # the variant is fixed when the kernel is traced
-                    run = bench._many_calls(fn, qs, st).lower(qs, st).compile()
-                runs[kernel, variant] = (run, (qs, st))
+                    runs[kernel, variant] = (fn.lower(*args).compile(), args)
             except Exception as e:  # a variant that does not build is reported, not fatal
                 errors[kernel, variant] = f"{type(e).__name__}: {str(e)[:300]}"
     t0 = time.perf_counter()
