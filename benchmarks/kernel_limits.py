@@ -1,9 +1,10 @@
 """What bounds each decode kernel: its time with all its work, with its loads only, and with its
 arithmetic only (H200 or any CUDA GPU).
 
-The two kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop through
-``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times each kernel
-alone at one shape three ways, by swapping that function while the kernel is traced:
+The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
+through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times
+each kernel alone at one shape three ways, by swapping that function while the kernel is traced
+(the query kernel, which has no loop, is timed once):
 
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
@@ -135,7 +136,9 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     for variant in VARIANTS:
         kernels = bench.kernel_runs(s, bits, tuning, qs, states, logits)
         for name, (fn, args) in kernels.items():
-            kernel = name.removesuffix("_kernel_us")  # "score" or "value"
+            kernel = name.removesuffix("_kernel_us")  # "query", "score" or "value"
+            if kernel == "query" and variant != "full":  # no loop to vary
+                continue
             try:
                 with _loop(variant):  # the variant is fixed when the kernel is traced
                     runs[kernel, variant] = (fn.lower(*args).compile(), args)
@@ -158,11 +161,19 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
 
 
 def kernel_bytes(s: bench.Shape, bits: int, kernel: str) -> int:
-    """Bytes a kernel reads: codes, bf16 scales and zero points, and (value kernel) the float32
-    logits of every query head."""
+    """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
+    the query's int8 parts per group and query head; score kernel (timed with the query kernel
+    it runs first): those, then the codes and the parts again; value kernel: codes, bf16
+    scales and zero points, and the float32 logits of every query head."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
-    return bh * (codes + params + (4 * c * n_rep if kernel == "value" else 0))
+    query = params + n_rep * 2 * c * d // bench.GROUP
+    per_kernel = {
+        "query": query,
+        "score": query + codes + n_rep * 2 * c * d // bench.GROUP,
+        "value": codes + params + 4 * c * n_rep,
+    }
+    return bh * per_kernel[kernel]
 
 
 def write_markdown(result: dict, path: Path) -> None:
@@ -173,6 +184,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "and with its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
         f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
         f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
+        "The score kernel's three times include the query kernel it runs first (timed alone in",
+        "its own row, `full` only; MB = its reads and writes).",
         "",
         "| shape | bits | kernel | MB read | full µs | loads µs | loads GB/s | arith µs "
         "| full / max(loads, arith) | SM MHz |",
@@ -182,8 +195,9 @@ def write_markdown(result: dict, path: Path) -> None:
     for r in result["rows"]:
         by.setdefault((r["shape"], r["bits"], r["kernel"]), {})[r["variant"]] = r
     for (shape, bits, kernel), v in by.items():
-        us = {k: v[k].get("us") for k in VARIANTS}
-        fmt = lambda x: f"{x:.1f}" if x is not None else "failed"
+        us = {k: v[k].get("us") if k in v else None for k in VARIANTS}
+        missing = "" if kernel == "query" else "failed"
+        fmt = lambda x, missing=missing: f"{x:.1f}" if x is not None else missing
         ratio = (
             f"{us['full'] / max(us['loads'], us['arith']):.2f}" if None not in us.values() else ""
         )

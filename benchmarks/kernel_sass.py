@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from attention import PREVIOUS_DEFAULT  # benchmarks/ is on sys.path when this runs as a script
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
-from kivi_jax.pallas_kernels.decode_attention.gpu import tile_sizes
+from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tiles
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (timed on the H200)
     (GpuTuning(), 2, 1),
@@ -42,8 +42,8 @@ CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (time
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """The two kernels' Triton modules as text (score kernel, value kernel), captured during
-    lowering for CUDA."""
+    """The Triton modules of the score and value kernels as text, captured during lowering for
+    CUDA (the query kernel, lowered first, has no loop and is left out)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     captured = []
@@ -159,11 +159,13 @@ def analyse(
     tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32, C=32768
 ) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
-    t = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
-    # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles)
+    _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
+    rows, subtiles = value_tiles(tuning, capacity=C, n_rep=n_rep)
+    # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles); a
+    # score-kernel program serves one query head, a value-kernel program all n_rep of them
     per_thread = {
-        "score": t.score_groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
-        "value": t.value_rows * t.value_subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
+        "score": groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
+        "value": rows * subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
     }
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}
     out = []
@@ -208,12 +210,14 @@ def main(argv=None):
         "# Main loops of the two decode kernels in SASS (sm_90a; D=128, G=32, bf16)",
         "",
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
-        "per code = loop instructions / (codes one thread handles per loop iteration; with GQA",
-        "each code is used by n_rep query heads).",
+        "per code = loop instructions / codes one thread handles per loop iteration (a score",
+        "program serves one query head, a value program all n_rep of them, so with GQA the value",
+        "kernel's count covers n_rep uses of each code).",
         "",
         "LDG span: where the loop's global loads sit (first and last, % of the loop body; the",
         "loads of the next tiles should come before the arithmetic). LOP3 -> FFMA: instructions",
-        "from an unpacking LOP3 to the FFMA that reads its result (median; share within 5).",
+        "from an unpacking LOP3 to the FFMA that reads its result (median; share within 5; the",
+        "score kernel has no FFMA in its loop: IDP.4A takes the masked words).",
         "",
         "| kernel | bits | n_rep | tuning | regs | spill B | loop instr | per code | BAR "
         "| LDG span % | LOP3 -> FFMA | most frequent |",

@@ -150,7 +150,7 @@ def test_length_zero_row_interpret(rng):
         dtype=jnp.bfloat16,
     )  # fmt: skip
     q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.bfloat16)
-    _check(q, cache, interpret=True, tuning=GpuTuning(score_groups=1, num_splits=1))
+    _check(q, cache, interpret=True, tuning=GpuTuning(score_rows=8, num_splits=1))
 
 
 def test_random_layout_state_interpret(rng):
@@ -185,9 +185,14 @@ def test_random_layout_state_interpret(rng):
     [
         # many small tiles and programs: every clamp and mask at a tile or split boundary
         GpuTuning(
-            score_groups=1, score_program_groups=2, value_rows=16, value_subtiles=2, num_splits=5
+            score_rows=4,
+            score_slices=2,
+            score_program_groups=2,
+            value_rows=16,
+            value_subtiles=2,
+            num_splits=5,
         ),
-        GpuTuning(prefetch=3, score_groups=2, value_rows=32, num_splits=2),
+        GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_rows=32, num_splits=2),
         GpuTuning(prefetch=2, score_program_groups=64, value_rows=256, num_splits=1),
     ],
 )
@@ -266,9 +271,11 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
 @pytest.mark.parametrize(
     "tuning",
     [
-        GpuTuning(score_groups=8, value_rows=64, value_subtiles=2),
+        GpuTuning(score_rows=64, score_slices=8, value_rows=64, value_subtiles=2),
         GpuTuning(prefetch=2, score_warps=8, value_warps=8, value_rows=256),
-        GpuTuning(score_groups=1, score_program_groups=4, value_rows=16, num_splits=7),
+        GpuTuning(
+            score_rows=8, score_slices=2, score_program_groups=4, value_rows=16, num_splits=7
+        ),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning):

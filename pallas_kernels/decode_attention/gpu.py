@@ -1,4 +1,4 @@
-"""KIVI decode attention on CUDA cores: a score kernel and a value kernel (Pallas, Triton lowering).
+"""KIVI decode attention on CUDA cores: query, score and value kernels (Pallas, Triton lowering).
 
 One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_rep``)
 
@@ -8,34 +8,35 @@ Why this shape. At 2 bits a decode step must touch ~2 G key and value elements i
 (Llama-2-7B heads, 8 x 32k), so every element may cost only about two instructions. The
 earlier tensor-core kernel spent ~9 (unpacking, then moving every dequantized tile through
 shared memory into the operand layout Triton picks). Here nothing is dequantized: both sides
-are dot products with *one fixed weight per element group*, done as float32 FMAs straight on
-the unpacked bits, each thread on its own registers.
+are dot products with *one fixed weight per element group*, done straight on the packed bits,
+each thread on its own registers. Codes are read as int32 words (4 bytes; the uint8 cache
+arrays are reinterpreted by an XLA bitcast, no copy).
 
-* Unpacking: codes are read as int32 words (4 bytes; the uint8 cache arrays are reinterpreted
-  by an XLA bitcast, no copy). A shift and an OR move byte ``r`` of the word to mantissa bits
-  [15, 23) under the exponent of 1.0; then each of its ``8 // bits`` codes is one AND away from
-  the float32 ``X = 1 + c * 2**(bits*j - 8)`` (``j`` the code's field in the byte): no int to
-  float conversion, 1.25 integer instructions per 2-bit code.
 * Keys (per-channel quantization, ``k = s_d c + z_d`` per group of G tokens):
-  ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The group's ``q_d s_d`` is formed once per
-  group; per element there is one FMA ``acc += (q_d s_d) * X``, and
-  ``c = 2**(8 - bits*j) (X - 1)`` turns the sum into the score with two per-group constants.
+  ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The query kernel writes, per group and
+  query head, ``q_d s_d`` as two int8 parts per channel (``coef * (254 hi + lo)``, about 16 bits
+  relative to the group's largest term) and the bias ``sum_d q_d z_d``. A key word holds, in
+  byte r, channel 4w + r of 8 // bits tokens; one AND with a mask repeated in every byte keeps
+  one token's code in each byte (``c * 2**(bits*j)``), and one ``dp4a`` (IDP.4A) multiplies
+  the 4 bytes by 4 int8 query parts and sums them into an exact int32: 4 LOP3 and 8 IDP per
+  16 codes.
 * Values (per-token quantization, ``v = s_t c + z_t`` per channel group):
-  ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``; per element one FMA
-  ``acc += (p_t s_t) * X`` into a per-thread accumulator tile that is reduced over tokens once,
-  at the end of the program.
+  ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``. A shift and an OR move byte ``r``
+  of a word to mantissa bits [15, 23) under the exponent of 1.0; each of its ``8 // bits``
+  codes is then one AND away from the float32 ``X = 1 + c * 2**(bits*j - 8)`` (``j`` the
+  code's field in the byte), and one FMA ``acc += (p_t s_t) * X`` adds it into a per-thread
+  accumulator tile that is reduced over tokens once, at the end of the program;
+  ``c = 2**(8 - bits*j) (X - 1)`` turns the sums into the output with per-group constants. The
+  float32 sums carry the offset ``1`` of ``X`` (at most 256 code steps) and lose at most 8 of
+  their 24 bits to it.
 
-The float32 sums carry the offset ``1`` of ``X`` (at most 256 code steps) and lose at most 8 of
-their 24 bits to it, which leaves them more precise than the bfloat16 operands of a tensor-core
-kernel.
-
-Two kernels, because the value side needs the softmax weights of every token before it starts
-and per-thread accumulators cannot afford an online-softmax rescale: the score kernel writes the
-base-2 logits of the quantized keys (4 bytes per token and query head, an eighth of the key
-codes' bytes for MHA) and each program's maximum; XLA forms the global max per row with the
-residual tail; the value kernel then reads the logits once, exponentiates against that max and
-accumulates. The residual tail (at most R tokens per row, held in full precision) is a small
-XLA einsum, merged at the end.
+Three kernels, because the value side needs the softmax weights of every token before it
+starts and per-thread accumulators cannot afford an online-softmax rescale: the query kernel
+folds the query into every key group; the score kernel writes the base-2 logits of the
+quantized keys (4 bytes per token and query head) and each program's maximum; XLA forms the
+global max per row with the residual tail; the value kernel then reads the logits once,
+exponentiates against that max and accumulates. The residual tail (at most R tokens per row,
+held in full precision) is a small XLA einsum, merged at the end.
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
@@ -46,9 +47,9 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md): ~2x faster than cuDNN bf16 attention at Llama-2-7B
-heads (MHA); with GQA every query head adds an FMA per element, and at 4 query heads per KV
-head it is about half cuDNN's speed.
+Measured on an H200 (docs/performance.md): ~2.3x faster than cuDNN bf16 attention at
+Llama-2-7B heads (MHA); with GQA the value kernel adds an FMA per element and query head, and
+at 4 query heads per KV head the step is about half cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ _FIELD_LO = 15  # a byte's codes are moved to mantissa bits [15, 23)
 class GpuTuning:
     """Tile sizes (no effect on results beyond float32 summation order).
 
-    score_groups: key groups (of G tokens) per iteration of the score kernel.
+    score_rows: key rows per iteration of the score kernel (a row: 4 tokens at 2 bits, 2 at 4
+      bits, of every channel; rounded to whole key groups of G tokens).
+    score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
+      the thread; with a row in 8 pieces of 4 words every thread owns whole rows).
     score_program_groups: key groups per score-kernel program.
+    query_program_groups, query_warps: key groups and warps per query-kernel program.
     value_rows: tokens per value sub-tile (the per-thread accumulators' rows) for MHA; divided
       by n_rep (rounded up to a power of two) for GQA, where every query head has its own.
     value_subtiles: value sub-tiles loaded per iteration (bytes in flight per program).
@@ -86,9 +91,12 @@ class GpuTuning:
     timing spread of the fastest), picked for their registers (docs/performance.md).
     """
 
-    score_groups: int = 1
+    score_rows: int = 16
+    score_slices: int = 4
     score_program_groups: int = 16
     score_warps: int = 1
+    query_program_groups: int = 16
+    query_warps: int = 4
     value_rows: int = 64
     value_subtiles: int = 2
     value_warps: int = 4
@@ -104,7 +112,7 @@ class GpuTuning:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
-        for name in ("score_warps", "value_warps"):
+        for name in ("score_warps", "value_warps", "query_warps", "score_slices"):
             if getattr(self, name) & (getattr(self, name) - 1):
                 raise ValueError(f"GpuTuning.{name} must be a power of two")
 
@@ -134,27 +142,22 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-@dataclasses.dataclass(frozen=True)
-class TileSizes:
-    """The tiles a tuning gives at one capacity and GQA ratio (powers of two dividing them)."""
+def score_tiles(
+    tuning: GpuTuning, *, capacity: int, group_size: int, head_dim: int, k_bits: int
+) -> tuple[int, int, int]:
+    """(key groups per program, key groups per iteration, slices of a key row) that
+    `key_scores` runs with: powers of two dividing the capacity's groups and the row's words."""
+    program_groups = _pow2_divisor(capacity // group_size, tuning.score_program_groups)
+    rows_per_group = group_size * k_bits // 8
+    groups_per_iter = _pow2_divisor(program_groups, max(1, tuning.score_rows // rows_per_group))
+    return program_groups, groups_per_iter, _pow2_divisor(head_dim // 4, tuning.score_slices)
 
-    program_groups: int  # key groups per score-kernel program
-    score_groups: int  # key groups per score-kernel iteration
-    value_rows: int  # tokens per value sub-tile
-    value_subtiles: int  # value sub-tiles per iteration; rows * subtiles divides the capacity
 
-
-def tile_sizes(tuning: GpuTuning, *, capacity: int, group_size: int, n_rep: int) -> TileSizes:
-    """What `key_scores` and `weighted_values` run with (so loads never leave the arrays)."""
-    n_groups = capacity // group_size
-    program_groups = _pow2_divisor(n_groups, tuning.score_program_groups)
+def value_tiles(tuning: GpuTuning, *, capacity: int, n_rep: int) -> tuple[int, int]:
+    """(tokens per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
+    of two, their product dividing the capacity."""
     rows = _pow2_divisor(capacity, max(1, tuning.value_rows // pl.next_power_of_2(n_rep)))
-    return TileSizes(
-        program_groups=program_groups,
-        score_groups=_pow2_divisor(program_groups, tuning.score_groups),
-        value_rows=rows,
-        value_subtiles=_pow2_divisor(capacity // rows, tuning.value_subtiles),
-    )
+    return rows, _pow2_divisor(capacity // rows, tuning.value_subtiles)
 
 
 def _byte_to_field(words, r: int):
@@ -228,30 +231,125 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live):
     return carry
 
 
+def _field_mask(j: int, bits: int) -> int:
+    """int32 mask of field j in every byte of a word (codes stay in place: c * 2**(bits*j))."""
+    byte_mask = ((1 << bits) - 1) << (bits * j)
+    m = byte_mask * 0x01010101
+    return m - (1 << 32) if m >= 1 << 31 else m
+
+
+def _dp4a(a, b, c, *, interpret: bool):
+    """c + sum_i a_i * b_i over the 4 bytes of int32 words: a's unsigned, b's signed.
+
+    On the GPU this is one instruction (IDP.4A); in interpret mode the same integer sum.
+    """
+    if interpret:
+        for i in range(4):
+            a_i = lax.shift_right_logical(a, 8 * i) & 0xFF
+            b_i = lax.shift_right_arithmetic(lax.shift_left(b, 24 - 8 * i), 24)
+            c = c + a_i * b_i
+        return c
+    [out] = plgpu.elementwise_inline_asm(
+        "dp4a.u32.s32 $0, $1, $2, $3;",
+        args=[a, b, c],
+        constraints="=r,r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
+    )
+    return out
+
+
+_Q_HI = 127  # |hi| <= 127: the query's int8 high part
+_Q_LO = 254  # the low part carries (u - hi) * 254, |.| <= 127: about 16 bits in all
+
+
+def _query_kernel(
+    q_ref,  # [n_rep, W, 4]              f32 scaled queries, channel 4w + r at [h, w, r]
+    ks_ref,  # [NG, W, 4]                key scales of NG groups
+    kz_ref,  # [NG, W, 4]                key zero points
+    q8_ref,  # out [n_rep, NG, 2, W]     int32 hi and lo parts, channel 4w + r in byte r
+    cb_ref,  # out [n_rep, 2, NG]        f32 coef and bias per group
+):
+    """The query folded into each key group's scales, as two int8 parts per channel."""
+    n_rep = q_ref.shape[0]
+    scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
+    byte_shift = 8 * lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
+    round_ = lambda x: jnp.floor(x + 0.5)
+    for h in range(n_rep):
+        q = q_ref[h][None]  # [1, W, 4]
+        qk = q * scale  # [NG, W, 4]: q_d s_gd
+        amax = jnp.max(jnp.max(jnp.abs(qk), axis=2), axis=1)  # [NG]
+        unit = jnp.where(amax > 0, amax / _Q_HI, 1.0)
+        u = qk * (1.0 / unit)[:, None, None]  # |u| <= 127 (to within rounding)
+        hi = round_(u)
+        lo = round_((u - hi) * _Q_LO)  # |u - hi| <= 1/2
+        for part, x in enumerate((hi, lo)):
+            q8_ref[h, :, part, :] = jnp.sum((x.astype(jnp.int32) & 0xFF) << byte_shift, axis=2)
+        cb_ref[h, 0, :] = unit / _Q_LO
+        cb_ref[h, 1, :] = jnp.sum(jnp.sum(q * zero, axis=2), axis=1)
+
+
+def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
+    """The scaled query folded into each key group, as two int8 parts per channel.
+
+    qs [B, H, n_rep, D] f32, k_scale / k_zero [B, H, NG, D] ->
+      q8 [B, H, n_rep, NG, 2, D // 4] int32: hi and lo of channels 4w..4w+3 in the bytes of w,
+      coef [B, H, n_rep, NG] and bias [B, H, n_rep, NG] f32, such that in every group g
+      q_d s_gd = coef_g * (254 hi_gd + lo_gd) + e_gd with |e_gd| <= max_d |q_d s_gd| / 64516
+      (about 16 bits, more than the bfloat16 query carries), and bias_g = sum_d q_d z_gd.
+    """
+    B, H, n_rep, D = qs.shape
+    NG, W = k_scale.shape[2], D // 4
+    blk = _pow2_divisor(NG, tuning.query_program_groups)
+    params = pl.BlockSpec((None, None, blk, W, 4), lambda b, h, g: (b, h, g, 0, 0))
+    q8, cb = pl.pallas_call(
+        _query_kernel,
+        grid=(B, H, NG // blk),
+        in_specs=[
+            pl.BlockSpec((None, None, n_rep, W, 4), lambda b, h, g: (b, h, 0, 0, 0)),
+            params,
+            params,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, n_rep, blk, 2, W), lambda b, h, g: (b, h, 0, g, 0, 0)),
+            pl.BlockSpec((None, None, n_rep, 2, blk), lambda b, h, g: (b, h, 0, 0, g)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, n_rep, NG, 2, W), jnp.int32),
+            jax.ShapeDtypeStruct((B, H, n_rep, 2, NG), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.query_warps, num_stages=1),
+        interpret=interpret,
+        name="kivi_query",
+    )(
+        qs.reshape(B, H, n_rep, W, 4),
+        k_scale.reshape(B, H, NG, W, 4),
+        k_zero.reshape(B, H, NG, W, 4),
+    )
+    return q8, cb
+
+
 def _score_kernel(
-    len_ref,  # []                         int32
-    q_ref,  # [n_rep, 4, W]                f32 queries scaled by log2(e)/sqrt(D); [h, r, w] is
-    #                                        channel 4w + r
-    kw_ref,  # [NG, GB, W]                 int32 key words: group, token byte, channel quad
-    ks_ref,  # [NG, W, 4]                  key scale of channel 4w + r at [g, w, r]
-    kz_ref,  # [NG, W, 4]                  key zero point
-    s_ref,  # out [n_rep, NG, GB, 2..2]    f32 logits of token g*G + kpb*tb + j (j over the 2s)
-    m_ref,  # out [n_rep]                  f32 max over this program's quantized keys
+    len_ref,  # []                    int32
+    q8_ref,  # [NG, 2, nS, ws]         int32 the query in each group (quantize_query)
+    cb_ref,  # [2, NG]                f32 coef and bias per group
+    kw_ref,  # [NG, GB, nS, ws]       int32 key words: group, token byte, channel quads
+    s_ref,  # out [NG, GB, 2..2]      f32 logits of token g*G + kpb*tb + j (j over the 2s)
+    m_ref,  # out []                  f32 max over this program's quantized keys
     *,
     bits: int,
     group_size: int,
     residual_length: int,
     groups_per_iter: int,
     prefetch: int,
+    interpret: bool,
 ):
-    n_rep = q_ref.shape[0]
-    NG, GB, _ = kw_ref.shape
+    NG, GB, nS, ws = kw_ref.shape
     kpb, n1 = 8 // bits, groups_per_iter
     length = len_ref[()]
     qk_groups = (length - length % residual_length) // group_size
     g_base = pl.program_id(2) * NG
     n_tiles = jnp.clip(pl.cdiv(qk_groups - g_base, n1), 0, NG // n1)
-    q = [[q_ref[h, r, :][None, :] for r in range(4)] for h in range(n_rep)]  # [1, W] each
 
     def first_group(k):
         """Tile k's first group. Tiles past the program's last are clamped to it: skipped, or
@@ -260,38 +358,35 @@ def _score_kernel(
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
-        """Tile k's words, scales and zero points (byte r of each word: channel 4w + r)."""
-        g0 = first_group(k)
-        scale = tuple(ks_ref[pl.ds(g0, n1), :, r] for r in range(4))  # [n1, W] each
-        zero = tuple(kz_ref[pl.ds(g0, n1), :, r] for r in range(4))
-        return kw_ref[pl.ds(g0, n1)], scale, zero
+        """Tile k: key words per slice [n1, GB, ws], the query's two parts per slice [n1, ws],
+        coef and bias [n1]."""
+        g = pl.ds(first_group(k), n1)
+        words = tuple(kw_ref[g, :, s, :] for s in range(nS))
+        q8 = tuple(tuple(q8_ref[g, part, s, :] for s in range(nS)) for part in range(2))
+        return words, q8, (cb_ref[0, g], cb_ref[1, g])
 
     def compute(k, tile, m):
-        words, scale, zero = tile
-        g0 = first_group(k)
-        aligned = [_byte_to_field(words, r) for r in range(4)]  # [n1, GB, W]
-        s = [x.astype(jnp.float32) for x in scale]
-        z = [x.astype(jnp.float32) for x in zero]
-        valid = (g_base + g0 + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
-        x = [[_field(a, j, bits) for a in aligned] for j in range(kpb)]  # x[j][r]
-        m = list(m)
-        for h in range(n_rep):
-            qs = [q[h][r] * s[r] for r in range(4)]  # the group's key scale folded into q
-            offset = jnp.sum(sum(qs), axis=1)[:, None]  # [n1, 1]: sum_d q_d s_d
-            bias = jnp.sum(sum(q[h][r] * z[r] for r in range(4)), axis=1)[:, None]
-            sc = []
-            for j in range(kpb):
-                acc = sum(qs[r][:, None, :] * x[j][r] for r in range(4))  # [n1, GB, W]
-                sc.append(_field_weight(j, bits) * (jnp.sum(acc, axis=2) - offset) + bias)
-                m[h] = jnp.maximum(m[h], jnp.where(valid, sc[j], _NEG_INIT))
-            s_ref[h, pl.ds(g0, n1)] = _stack_fields(sc)  # [n1, GB, 2, ..., 2]
-        return tuple(m)
+        words, q8, (coef, bias) = tile
+        shape = (n1, GB, ws)
+        valid = (g_base + first_group(k) + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
+        q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in part] for part in q8]
+        sc = []
+        for j in range(kpb):
+            acc = [jnp.zeros(shape, jnp.int32) for _ in range(2)]  # sums of hi and lo parts
+            for s in range(nS):
+                x = words[s] & _field_mask(j, bits)  # c * 2**(bits*j) in every byte
+                for part in range(2):
+                    acc[part] = _dp4a(x, q8[part][s], acc[part], interpret=interpret)
+            total = jnp.sum(acc[0] * _Q_LO + acc[1], axis=2)  # [n1, GB]
+            scale = (coef * 2.0 ** (-bits * j))[:, None]
+            sc.append(total.astype(jnp.float32) * scale + bias[:, None])
+            m = jnp.maximum(m, jnp.where(valid, sc[j], _NEG_INIT))
+        s_ref[pl.ds(first_group(k), n1)] = _stack_fields(sc)  # [n1, GB, 2, ..., 2]
+        return m
 
-    m_init = (jnp.full((n1, GB), _NEG_INIT, jnp.float32),) * n_rep  # reduced after the loop
+    m_init = jnp.full((n1, GB), _NEG_INIT, jnp.float32)  # reduced after the loop
     live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles, or a clamped tile (above)
-    m = _pipelined_loop(n_tiles, prefetch, load, compute, m_init, live)
-    for h in range(n_rep):
-        m_ref[h] = jnp.max(m[h])
+    m_ref[()] = jnp.max(_pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
 
 
 def _value_kernel(
@@ -380,11 +475,13 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
     GB, W = G // kpb, D // 4  # token bytes per key group, words per token byte
-    tiles = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
-    NG, n1 = tiles.program_groups, tiles.score_groups  # groups per program, per iteration
+    NG, n1, nS = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
+    ws = W // nS  # words per slice of a key row
     P = C // G // NG
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
+    q8, cb = quantize_query(qs, k_scale, k_zero, tuning=tuning, interpret=interpret)
+    Hq = H * n_rep
     scores, block_max = pl.pallas_call(
         functools.partial(
             _score_kernel,
@@ -393,24 +490,22 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
             residual_length=residual_length,
             groups_per_iter=n1,
             prefetch=tuning.prefetch,
+            interpret=interpret,
         ),
-        grid=(B, H, P),
+        grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
-            pl.BlockSpec((None, None, n_rep, 4, W), lambda b, h, p: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, NG, GB, W), lambda b, h, p: (b, h, p, 0, 0)),
-            pl.BlockSpec((None, None, NG, W, 4), lambda b, h, p: (b, h, p, 0, 0)),
-            pl.BlockSpec((None, None, NG, W, 4), lambda b, h, p: (b, h, p, 0, 0)),
+            pl.BlockSpec((None, None, NG, 2, nS, ws), lambda b, h, p: (b, h, p, 0, 0, 0)),
+            pl.BlockSpec((None, None, 2, NG), lambda b, h, p: (b, h, 0, p)),
+            pl.BlockSpec((None, None, NG, GB, nS, ws), lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, n_rep, NG, GB, *twos), lambda b, h, p: (b, h, 0, p, 0, *zeros)
-            ),
-            pl.BlockSpec((None, None, None, n_rep), lambda b, h, p: (b, h, p, 0)),
+            pl.BlockSpec((None, None, NG, GB, *twos), lambda b, h, p: (b, h, p, 0, *zeros)),
+            pl.BlockSpec((None, None, None), lambda b, h, p: (b, h, p)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, n_rep, C // G, GB, *twos), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, P, n_rep), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, C // G, GB, *twos), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, P), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(
             num_warps=tuning.score_warps, num_stages=tuning.num_stages
@@ -419,11 +514,11 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         name="kivi_scores",
     )(
         lengths,
-        qs.reshape(B, H, n_rep, W, 4).swapaxes(-1, -2),  # [B, H, n_rep, 4, W]
-        _words(k_codes).reshape(B, H, C // G, GB, W),
-        k_scale.reshape(B, H, C // G, W, 4),
-        k_zero.reshape(B, H, C // G, W, 4),
+        q8.reshape(B, Hq, C // G, 2, nS, ws),
+        cb.reshape(B, Hq, 2, C // G),
+        _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
+    block_max = block_max.reshape(B, H, n_rep, P).swapaxes(2, 3)  # [B, H, P, n_rep]
     return scores.reshape(B, H, n_rep, C), block_max
 
 
@@ -436,8 +531,7 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     D = v_codes.shape[3] * (8 // bits)
     G, vpb = group_size, 8 // bits
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
-    tiles = tile_sizes(tuning, capacity=C, group_size=G, n_rep=n_rep)
-    rows, subtiles = tiles.value_rows, tiles.value_subtiles
+    rows, subtiles = value_tiles(tuning, capacity=C, n_rep=n_rep)
     step = rows * subtiles
     n_steps = C // step
     if tuning.num_splits is not None:
@@ -517,7 +611,7 @@ def kivi_decode_attention_gpu(
     tuning: GpuTuning = GpuTuning(),
     interpret: bool = False,
 ):
-    """Decode attention over a KIVI state with the two CUDA-core kernels -> [B, Hq, D]."""
+    """Decode attention over a KIVI state with the CUDA-core kernels -> [B, Hq, D]."""
     B, Hq, D = q.shape
     _, H, C, _ = v_codes.shape
     G, R = group_size, residual_length
