@@ -9,7 +9,7 @@ each kernel alone at one shape three ways, by swapping that function while the k
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
   array into the carry (one add per element, after summing it over trailing axes where no carry
-  array has its shape: the score kernel's words and scales, across lanes). The loaded bytes
+  array has its shape: the score kernel's words and query parts, across lanes). The loaded bytes
   stay; the score kernel's logit stores, part of its arithmetic, go;
 * ``arith``: the shipped loop and arithmetic on tile 0, loaded once before the loop: every
   iteration computes on it with each array perturbed by the tile index (int32 words XOR k,

@@ -207,7 +207,7 @@ def main(argv=None):
                 print(r, flush=True)
     default = dataclasses.asdict(GpuTuning())
     lines = [
-        "# Main loops of the two decode kernels in SASS (sm_90a; D=128, G=32, bf16)",
+        "# Main loops of the score and value kernels in SASS (sm_90a; D=128, G=32, bf16)",
         "",
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
         "per code = loop instructions / codes one thread handles per loop iteration (a score",

@@ -232,6 +232,10 @@ def test_bad_tunings_are_named():
         GpuTuning(value_warps=6)
     with pytest.raises(ValueError, match="num_splits"):
         GpuTuning(num_splits=0)
+    with pytest.raises(ValueError, match="score_slices"):
+        GpuTuning(score_slices=3)
+    with pytest.raises(ValueError, match="query_program_groups"):
+        GpuTuning(query_program_groups=0)
     assert GpuTuning(num_splits=None).num_splits is None
 
 

@@ -83,7 +83,8 @@ class GpuTuning:
     value_rows: tokens per value sub-tile (the per-thread accumulators' rows) for MHA; divided
       by n_rep (rounded up to a power of two) for GQA, where every query head has its own.
     value_subtiles: value sub-tiles loaded per iteration (bytes in flight per program).
-    prefetch: tiles whose loads are issued ahead of the one being computed (both kernels).
+    prefetch: tiles whose loads are issued ahead of the one being computed (score and value
+      kernels).
     num_splits: value-kernel token splits per (sequence, KV head); None aims at
       target_programs programs.
 
@@ -261,6 +262,7 @@ def _dp4a(a, b, c, *, interpret: bool):
 
 _Q_HI = 127  # |hi| <= 127: the query's int8 high part
 _Q_LO = 254  # the low part carries (u - hi) * 254, |.| <= 127: about 16 bits in all
+_TINY = 1e-30  # below this a group's largest |q_d s_gd| counts as zero (1 / unit stays finite)
 
 
 def _query_kernel(
@@ -279,7 +281,7 @@ def _query_kernel(
         q = q_ref[h][None]  # [1, W, 4]
         qk = q * scale  # [NG, W, 4]: q_d s_gd
         amax = jnp.max(jnp.max(jnp.abs(qk), axis=2), axis=1)  # [NG]
-        unit = jnp.where(amax > 0, amax / _Q_HI, 1.0)
+        unit = jnp.where(amax > _TINY, amax / _Q_HI, 1.0)  # a group of ~zeros: hi = lo = 0
         u = qk * (1.0 / unit)[:, None, None]  # |u| <= 127 (to within rounding)
         hi = round_(u)
         lo = round_((u - hi) * _Q_LO)  # |u - hi| <= 1/2
@@ -294,7 +296,7 @@ def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
 
     qs [B, H, n_rep, D] f32, k_scale / k_zero [B, H, NG, D] ->
       q8 [B, H, n_rep, NG, 2, D // 4] int32: hi and lo of channels 4w..4w+3 in the bytes of w,
-      coef [B, H, n_rep, NG] and bias [B, H, n_rep, NG] f32, such that in every group g
+      cb [B, H, n_rep, 2, NG] f32: coef and bias, such that in every group g
       q_d s_gd = coef_g * (254 hi_gd + lo_gd) + e_gd with |e_gd| <= max_d |q_d s_gd| / 64516
       (about 16 bits, more than the bfloat16 query carries), and bias_g = sum_d q_d z_gd.
     """
