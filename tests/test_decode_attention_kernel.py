@@ -31,9 +31,12 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _byte_to_field,
+    _dp4a,
     _field,
+    _field_mask,
     _field_weight,
     _words,
+    quantize_query,
 )
 
 import kivi_jax
@@ -55,6 +58,60 @@ def test_codes_decode_exactly_from_words(bits):
         for j in range(per):
             x = np.asarray(_field(aligned, j, bits))
             np.testing.assert_array_equal(_field_weight(j, bits) * (x - 1), codes[:, j])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_field_masks_keep_one_token_per_byte(bits):
+    """Masking a key word with field j's mask leaves, in every byte, c * 2**(bits*j) with c the
+    code unpack_codes reads for token j of that byte, and nothing else."""
+    per = 8 // bits
+    byte = np.arange(256, dtype=np.uint8)
+    codes = np.asarray(kivi_jax.quantization.unpack_codes(jnp.asarray(byte), bits, axis=0))
+    codes = codes.reshape(256, per)
+    words = _words(jnp.asarray(np.stack([byte, byte[::-1], byte, byte[::-1]], axis=1)))[:, 0]
+    for j in range(per):
+        masked = np.asarray(words & _field_mask(j, bits)).view(np.uint8).reshape(256, 4)
+        expected = np.stack([codes[:, j], codes[::-1, j]] * 2, axis=1) << (bits * j)
+        np.testing.assert_array_equal(masked, expected)
+
+
+def test_dp4a_is_the_byte_dot_product(rng):
+    """The interpret-mode IDP.4A: c + sum of a's unsigned bytes times b's signed bytes."""
+    a = rng.integers(0, 256, (1000, 4), dtype=np.uint8)
+    b = rng.integers(-128, 128, (1000, 4), dtype=np.int8)
+    c = rng.integers(-(2**20), 2**20, 1000, dtype=np.int32)
+    out = _dp4a(
+        jnp.asarray(a.view(np.int32)[:, 0]),
+        jnp.asarray(b.view(np.int32)[:, 0]),
+        jnp.asarray(c),
+        interpret=True,
+    )
+    expected = c + (a.astype(np.int64) * b.astype(np.int64)).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_query_parts_reconstruct_the_folded_query(rng):
+    """quantize_query: coef * (254 hi + lo) is within max_d |q_d s_gd| / 64516 of q_d s_gd in
+    every group and query head (hi, lo int8 bytes of channel 4w + r at byte r of word w), bias
+    is sum_d q_d z_gd, and a group of zero scales gives zero parts."""
+    B, H, n_rep, NG, D = 2, 2, 3, 16, 64
+    qs = rng.normal(size=(B, H, n_rep, D)).astype(np.float32) * 3.0
+    scale = np.abs(rng.normal(size=(B, H, NG, D))).astype(np.float32)
+    scale[0, 1, 5] = 0.0  # a group whose keys are all equal
+    zero = rng.normal(size=(B, H, NG, D)).astype(np.float32)
+    sc, ze = jnp.asarray(scale, jnp.bfloat16), jnp.asarray(zero, jnp.bfloat16)
+    tuning = GpuTuning(query_program_groups=4)
+    q8, cb = quantize_query(jnp.asarray(qs), sc, ze, tuning=tuning, interpret=True)
+    parts = np.asarray(q8).view(np.int8).astype(np.float64)  # [B, H, n_rep, NG, 2, D]
+    coef, bias = np.asarray(cb[:, :, :, 0]), np.asarray(cb[:, :, :, 1])
+    folded = qs[:, :, :, None, :] * np.asarray(sc, np.float32)[:, :, None]  # [.., NG, D]
+    rebuilt = coef[..., None] * (254 * parts[..., 0, :] + parts[..., 1, :])
+    bound = np.abs(folded).max(axis=-1, keepdims=True) / 64516
+    assert np.all(np.abs(rebuilt - folded) <= bound * 1.01 + 1e-30)
+    assert np.abs(parts).max() <= 127
+    assert not parts[0, 1, :, 5].any()
+    z = np.asarray(ze, np.float32)
+    np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
 
 
 def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
