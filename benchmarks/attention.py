@@ -294,11 +294,11 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
     it first) on the state, and the value kernel on random logits of the same shape (its cost
     does not depend on their values)."""
     kw = dict(group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False)
-    kw_query = dict(tuning=tuning, interpret=False)
     split = lambda q: q.astype(jnp.float32).reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
     def query(q, state):
-        return quantize_query(split(q), state["k_scale"], state["k_zero"], **kw_query)[1]
+        return quantize_query(split(q), state["k_scale"], state["k_zero"], tuning=tuning,
+                              interpret=False)[1]  # fmt: skip
 
     def scores(q, state):
         return key_scores(split(q), state["k_codes"], state["k_scale"], state["k_zero"],

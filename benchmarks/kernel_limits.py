@@ -167,10 +167,10 @@ def kernel_bytes(s: bench.Shape, bits: int, kernel: str) -> int:
     scales and zero points, and the float32 logits of every query head."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
-    query = params + n_rep * 2 * c * d // bench.GROUP
+    parts = n_rep * 2 * c * d // bench.GROUP  # the query's two int8 parts per group channel
     per_kernel = {
-        "query": query,
-        "score": query + codes + n_rep * 2 * c * d // bench.GROUP,
+        "query": params + parts,
+        "score": params + parts + codes + parts,
         "value": codes + params + 4 * c * n_rep,
     }
     return bh * per_kernel[kernel]

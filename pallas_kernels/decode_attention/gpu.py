@@ -472,7 +472,7 @@ def _value_kernel(
 def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, residual_length,
                tuning, interpret):  # fmt: skip
     """The score kernel. qs [B, H, n_rep, D] f32 (scaled queries) -> logits [B, H, n_rep, C]
-    of the quantized keys (defined for t < Qk) and each program's max [B, H, P, n_rep]."""
+    of the quantized keys (defined for t < Qk) and each program's max [B, H, n_rep, P]."""
     B, H, n_rep, D = qs.shape
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
@@ -520,8 +520,7 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         cb.reshape(B, Hq, 2, C // G),
         _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
-    block_max = block_max.reshape(B, H, n_rep, P).swapaxes(2, 3)  # [B, H, P, n_rep]
-    return scores.reshape(B, H, n_rep, C), block_max
+    return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
 
 
 def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group_size,
@@ -642,7 +641,7 @@ def kivi_decode_attention_gpu(
     s_quant = jnp.take_along_axis(scores, jnp.minimum(tok, C - 1)[:, None, None, :], axis=-1)
     s_tail = jnp.where((tok < qk)[:, None, None, :], s_quant, s_res)
     s_tail = jnp.where(held, s_tail, -jnp.inf)
-    m = jnp.maximum(jnp.max(block_max, axis=2), jnp.max(s_tail, axis=-1))  # [B, H, n_rep]
+    m = jnp.maximum(jnp.max(block_max, axis=-1), jnp.max(s_tail, axis=-1))  # [B, H, n_rep]
 
     o, l_sum = weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, bits=v_bits, **common)
     p_tail = jnp.where(held, jnp.exp2(s_tail - m[..., None]), 0.0)  # [B, H, n_rep, R]
