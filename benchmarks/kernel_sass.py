@@ -42,8 +42,8 @@ CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (time
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """The Triton modules of the score and value kernels as text, captured during lowering for
-    CUDA (the query kernel, lowered first, has no loop and is left out)."""
+    """{"query": ..., "score": ..., "value": ...}: the kernels' Triton modules as text, captured
+    during lowering for CUDA (in the order the step runs them)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     captured = []
@@ -79,7 +79,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     finally:
         lowering.lower_jaxpr_to_triton_module = original
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    return [str(c.module) for c in captured[-2:]]
+    return dict(zip(("query", "score", "value"), (str(c.module) for c in captured), strict=True))
 
 
 def hot_loop(sass: str) -> list[str]:
@@ -170,7 +170,8 @@ def analyse(
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}
     out = []
     modules = triton_ir(tuning, n_rep=n_rep, bits=bits, D=D, C=C, G=G)
-    for name, ttir in zip(("score", "value"), modules, strict=True):
+    for name in ("score", "value"):
+        ttir = modules[name]
         info, sass = compile_sass(ttir, warps[name], tuning.num_stages, workdir)
         spill = re.search(r"(\d+) bytes spill stores", info)
         loop = hot_loop(sass)
@@ -195,6 +196,25 @@ def analyse(
     return out
 
 
+def query_kernel(tuning: GpuTuning, workdir: Path, *, D=128, G=32, C=32768) -> dict:
+    """The query kernel (no loop): registers, instructions per thread in all, per key group and
+    channel it handles (one query head), barriers and shared-memory loads."""
+    groups = min(tuning.query_program_groups, C // G)
+    info, sass = compile_sass(triton_ir(tuning, D=D, C=C, G=G)["query"], tuning.query_warps, 1,
+                              workdir)  # fmt: skip
+    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
+    ops = collections.Counter(opcode(re.sub(r"^@!?U?P\w+\s+", "", t)) for t in ins)
+    per_thread = groups * D / (tuning.query_warps * 32)  # group channels per thread
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "instructions": len(ins),
+        "per_group_channel": len(ins) / per_thread,
+        "barriers": ops["BAR"],
+        "shared_loads": ops["LDS"],
+        "top": ops.most_common(10),
+    }
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sass.md"))
@@ -205,6 +225,8 @@ def main(argv=None):
             for r in analyse(tuning, bits, n_rep, Path(tmp)):
                 rows.append(r)
                 print(r, flush=True)
+        query = query_kernel(GpuTuning(), Path(tmp))
+        print(query, flush=True)
     default = dataclasses.asdict(GpuTuning())
     lines = [
         "# Main loops of the score and value kernels in SASS (sm_90a; D=128, G=32, bf16)",
@@ -237,6 +259,17 @@ def main(argv=None):
             f"{r['spill_bytes']} | {r['loop_instructions']} | {r['per_code']:.2f} | "
             f"{r['barriers']} | {span} | {dist} | {top} |"
         )
+    lines += [
+        "",
+        "## The query kernel (default tuning, one query head, no loop)",
+        "",
+        f"{query['registers']} registers; {query['instructions']} instructions per thread in all, "
+        f"{query['per_group_channel']:.1f} per key group and channel it handles; "
+        f"{query['barriers']} barriers and {query['shared_loads']} shared-memory loads (its "
+        "reductions across warps). Most frequent: "
+        + ", ".join(f"{op} {c}" for op, c in query["top"])
+        + ".",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 
