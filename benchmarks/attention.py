@@ -4,9 +4,12 @@ One process, one GPU. For each shape (heads of Llama-2-7B and Llama-3-8B; batch 
 times KIVI-2 and KIVI-4 (the Pallas-Triton kernel, split merge included) and two bf16 baselines
 over the same context: cuDNN through ``jax.nn.dot_product_attention(implementation="cudnn")``
 and a plain XLA einsum. Every timing runs ``calls`` decode steps on different queries (and,
-where one cache would fit in L2, different caches) inside one jit, so dispatch is amortised;
-the median over ``repeats`` such runs is reported per call. In the same run a sum over
->= 8 GiB measures the HBM read bandwidth that the bytes each method must read are held to.
+where one cache would fit in L2, different caches) inside one jit; the median over ``repeats``
+such runs is reported per call, as GPU time (a CUPTI trace through jax.profiler: first kernel
+start to last kernel end of a run, so the host's dispatch is left out) and as host wall time.
+The default of 2 calls keeps compiles short: XLA compiles every call's Pallas kernels anew,
+and the value kernel takes ~13 s on the H200's host. In the same run sums over >= 8 GiB
+measure the HBM read bandwidth that the bytes each method must read are held to.
 
     python benchmarks/attention.py --out benchmarks/results
 
@@ -21,6 +24,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,6 +101,36 @@ def _timed(fn, args, *, repeats: int) -> float:
     return statistics.median(times)
 
 
+def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every kernel on the first GPU in a jax.profiler trace,
+    sorted by start; [] where the trace has no GPU (CPU runs)."""
+    [path] = Path(trace_dir).rglob("*.xplane.pb")
+    plane = jax.profiler.ProfileData.from_file(str(path)).find_plane_with_name("/device:GPU:0")
+    if plane is None:
+        return []
+    lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or list(plane.lines)
+    events = {(e.name, int(e.start_ns), int(e.end_ns)) for ln in lines for e in ln.events}
+    return sorted(events, key=lambda e: e[1])
+
+
+def split_runs(events) -> list[list[tuple[str, int, int]]]:
+    """Kernel events split into jit runs: the tracers below sleep 5 ms on the host after each
+    run, so a gap over 2 ms between kernels separates runs."""
+    runs = [events[:1]] if events else []
+    for e in events[1:]:
+        if e[1] - runs[-1][-1][2] > 2e6:
+            runs.append([])
+        runs[-1].append(e)
+    return runs
+
+
+def device_seconds(fn, args, *, repeats: int) -> float | None:
+    """Median GPU time of one run of fn(*args) (already warm): first kernel start to last
+    kernel end, so the host's dispatch before the first kernel and its wait after the last
+    are left out; None without a GPU trace."""
+    return device_interleaved({0: (fn, args)}, rounds=repeats).get(0)
+
+
 def timed_interleaved(runs: dict, *, rounds: int) -> dict:
     """Median seconds of each entry's fn(*args) (runs: name -> (fn, args)), timed round-robin,
     one call of each entry per round, so that drift in the machine's speed over the run hits
@@ -118,20 +152,47 @@ def timed_interleaved(runs: dict, *, rounds: int) -> dict:
     return out | {name: statistics.median(t) for name, t in times.items()}
 
 
+def device_interleaved(runs: dict, *, rounds: int) -> dict:
+    """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
+    runs (name -> (fn, args), already warm), from one CUPTI trace of `rounds` round-robin
+    rounds; {} without a GPU trace."""
+    order = list(runs)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(rounds):
+            for name in order:
+                fn, args = runs[name]
+                jax.block_until_ready(fn(*args))
+                time.sleep(0.005)
+        jax.profiler.stop_trace()
+        traced = split_runs(gpu_kernels(d))
+    if len(traced) != rounds * len(order):
+        return {}
+    spans = {name: [] for name in order}
+    for i, r in enumerate(traced):
+        spans[order[i % len(order)]].append((r[-1][2] - r[0][1]) * 1e-9)
+    return {name: statistics.median(t) for name, t in spans.items()}
+
+
 def measure_read_bandwidth(gib: float = 8.0, repeats: int = 10) -> dict[str, float]:
     """Bytes/s of reductions that read a `gib` GiB array once per call (float32 and uint32 sums,
-    and a float32 sum over rows, which XLA tiles differently). The best is the peak."""
+    and a float32 sum over rows, which XLA tiles differently), in GPU time where there is a
+    trace (host time otherwise). The best is the peak."""
+
+    def seconds(fn, x):
+        host = _timed(fn, (x,), repeats=repeats)
+        device = device_seconds(fn, (x,), repeats=repeats)
+        return host if device is None else device
+
     n = int(gib * 2**30) // 4
     rows = 2**14
     out = {}
     x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
-    out["sum_u32"] = (
-        n * 4 / _timed(jax.jit(lambda x: jnp.sum(x, dtype=jnp.uint32)), (x,), repeats=repeats)
-    )
+    out["sum_u32"] = n * 4 / seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.uint32)), x)
     x = jax.lax.bitcast_convert_type(x >> 9 | 0x3F800000, jnp.float32)  # floats in [1, 2)
-    out["sum_f32"] = n * 4 / _timed(jax.jit(jnp.sum), (x,), repeats=repeats)
+    out["sum_f32"] = n * 4 / seconds(jax.jit(jnp.sum), x)
     x = x.reshape(rows, n // rows)
-    out["rowsum_f32"] = n * 4 / _timed(jax.jit(lambda x: jnp.sum(x, axis=1)), (x,), repeats=repeats)
+    out["rowsum_f32"] = n * 4 / seconds(jax.jit(lambda x: jnp.sum(x, axis=1)), x)
     del x
     return out
 
@@ -242,21 +303,26 @@ def bench_shape(
 
     def record(name, nbytes, fn, args):
         try:
-            sec = _timed(_many_calls(fn, *args), args, repeats=repeats) / calls
+            many = _many_calls(fn, *args)
+            host = _timed(many, args, repeats=repeats) / calls
+            device = device_seconds(many, args, repeats=repeats)
         except Exception as e:  # a baseline that does not run on this shape is reported, not fatal
             row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             return
+        sec = host if device is None else device / calls
         gbs = nbytes / sec / 1e9
         row["methods"][name] = {
             "us": sec * 1e6,
+            "host_us": host * 1e6,
             "bytes": nbytes,
             "GB_per_s": gbs,
             "pct_peak": 100 * nbytes / sec / peak,
             "floor_us": nbytes / peak * 1e6,
         }
         print(
-            f"  {name:8s} {sec * 1e6:9.1f} us  {gbs:7.0f} GB/s  {100 * gbs * 1e9 / peak:5.1f}%",
+            f"  {name:8s} {sec * 1e6:9.1f} us (host {host * 1e6:.1f})  {gbs:7.0f} GB/s  "
+            f"{100 * gbs * 1e9 / peak:5.1f}%",
             flush=True,
         )
 
@@ -276,13 +342,14 @@ def bench_shape(
         states = kivi_states(key, s, bits)
         record(f"kivi{bits}", kivi_bytes(s, bits), kivi_step(bits, tuning, interpret), (qs, states))
         del states
-    base = [m["us"] for k, m in row["methods"].items() if k in ("cudnn", "xla") and "us" in m]
-    if base:
-        row["best_bf16_us"] = min(base)
-        for bits in (2, 4):
-            m = row["methods"].get(f"kivi{bits}", {})
-            if "us" in m:
-                m["speedup"] = row["best_bf16_us"] / m["us"]
+    for key_, speedup in (("us", "speedup"), ("host_us", "host_speedup")):
+        base = [m[key_] for k, m in row["methods"].items() if k in ("cudnn", "xla") and key_ in m]
+        if base:
+            row[f"best_bf16_{key_}"] = min(base)
+            for bits in (2, 4):
+                m = row["methods"].get(f"kivi{bits}", {})
+                if key_ in m:
+                    m[speedup] = min(base) / m[key_]
     return row
 
 
@@ -332,14 +399,16 @@ def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> d
 
 
 def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
-    """Microseconds per call of the score kernel and of the value kernel alone."""
+    """GPU microseconds per call of each kernel alone (host time without a GPU trace)."""
     key = jax.random.key(2)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, bits)
     logits = random_logits(key, s, len(states))
     out = {"shape": s.name, "bits": bits}
     for name, (fn, args) in kernel_runs(s, bits, tuning, qs, states, logits).items():
-        out[name] = _timed(fn, args, repeats=repeats) / calls * 1e6
+        host = _timed(fn, args, repeats=repeats)
+        device = device_seconds(fn, args, repeats=repeats)
+        out[name] = (host if device is None else device) / calls * 1e6
     print(f"  kernels alone: {out}", flush=True)
     return out
 
@@ -350,18 +419,19 @@ PREVIOUS_DEFAULT = GpuTuning(score_rows=8, score_slices=1)
 # Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
 SWEEP = [
     GpuTuning(),
-    PREVIOUS_DEFAULT,
-    GpuTuning(score_program_groups=32),
-    GpuTuning(query_program_groups=64),
-    GpuTuning(query_program_groups=64, query_warps=8),
-    GpuTuning(query_program_groups=4, query_warps=1),
-    GpuTuning(query_program_groups=8, query_warps=2, score_program_groups=32),
+    GpuTuning(value_chain=1),
+    GpuTuning(value_chain=4),
+    GpuTuning(value_chain=4, prefetch=1),
+    GpuTuning(value_quads=16, value_warps=2),
+    GpuTuning(value_quads=64, value_warps=8),
+    GpuTuning(value_quads=64, value_chain=1),
 ]
 
 
 def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
     """Times KIVI-2 on one shape under each SWEEP entry, the whole step and (on a GPU) each
-    kernel alone, all entries interleaved round by round."""
+    kernel alone, all entries interleaved round by round (GPU time from a trace of further
+    interleaved rounds; host time without a GPU)."""
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, 2)
@@ -373,6 +443,8 @@ def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
             for name, run in kernel_runs(s, 2, t, qs, states, logits).items():
                 runs[i, name] = run
     timed = timed_interleaved(runs, rounds=rounds)
+    live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
+    timed |= device_interleaved(live, rounds=rounds)  # GPU time where there is a trace
     out = []
     for i, t in enumerate(SWEEP):
         rec = {"shape": s.name, "tuning": dataclasses.asdict(t)}
@@ -395,8 +467,11 @@ def write_markdown(result: dict, path: Path) -> None:
         "",
         f"HBM read bandwidth measured in this run (sum over {result['peak_gib']} GiB): "
         f"{result['peak_GBps']:.0f} GB/s. Times are per decode step, median of "
-        f"{result['repeats']} runs of {result['calls']} steps inside one jit. KIVI: G={GROUP}, "
-        f"R={RESIDUAL}, every sequence at full context; bytes = what each method must read.",
+        f"{result['repeats']} runs of {result['calls']} steps inside one jit: µs is GPU time "
+        "(CUPTI trace: first kernel start to last kernel end of a run, so the host's dispatch "
+        "is left out), host µs the wall time of a run on the host. KIVI: "
+        f"G={GROUP}, R={RESIDUAL}, every sequence at full context; bytes = what each method "
+        "must read; GB/s, % of peak, and speed-up use µs.",
         "",
         *(
             [
@@ -409,18 +484,22 @@ def write_markdown(result: dict, path: Path) -> None:
         ),
         f"KIVI kernel tuning: {result.get('tuning')}",
         "",
-        "| shape | method | µs | MB read | GB/s | % of peak | floor µs | speed-up vs best bf16 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
+        "| speed-up vs best bf16 | (host) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         for name, m in row["methods"].items():
             if "us" not in m:
-                lines.append(f"| {row['shape']} | {name} | failed | | | | | |")
+                lines.append(f"| {row['shape']} | {name} | failed | | | | | | | |")
                 continue
             sp = f"{m['speedup']:.2f}x" if "speedup" in m else ""
+            hsp = f"{m['host_speedup']:.2f}x" if "host_speedup" in m else ""
+            host = f"{m['host_us']:.1f}" if "host_us" in m else ""
             lines.append(
-                f"| {row['shape']} | {name} | {m['us']:.1f} | {m['bytes'] / 1e6:.1f} | "
-                f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} |"
+                f"| {row['shape']} | {name} | {m['us']:.1f} | {host} | {m['bytes'] / 1e6:.1f} | "
+                f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} | "
+                f"{hsp} |"
             )
     if result.get("kernels"):
         lines += [
@@ -491,7 +570,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--calls", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--peak-gib", type=float, default=8.0)
     p.add_argument("--only", default=None, help="substring of shape names to run")

@@ -16,6 +16,9 @@ each kernel alone at one shape three ways, by swapping that function while the k
   floats + k * 1e-30) so that nothing can be hoisted out of the loop. The loads go; the score
   kernel still stores its logits.
 
+Times are GPU time (a CUPTI trace of interleaved rounds, as in ``attention.py``); host time
+where there is no trace.
+
 If ``full`` is close to ``max(loads, arith)`` the two overlap and the larger one is the limit; if
 it is close to their sum, they do not overlap. A background sampler records the SM clock
 (nvidia-smi) during each timing, which turns times into cycles.
@@ -145,7 +148,9 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
             except Exception as e:  # a variant that does not build is reported, not fatal
                 errors[kernel, variant] = f"{type(e).__name__}: {str(e)[:300]}"
     t0 = time.perf_counter()
-    timed = bench.timed_interleaved(runs, rounds=repeats) | errors
+    timed = bench.timed_interleaved(runs, rounds=repeats)
+    live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
+    timed |= bench.device_interleaved(live, rounds=repeats) | errors  # GPU time if traced
     mhz = clock.median(t0, time.perf_counter())
     out = []
     for (kernel, variant), v in timed.items():
@@ -215,7 +220,7 @@ def write_markdown(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--calls", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--gqa", action="store_true", help="also Llama-3-8B heads (GQA 4)")
     args = p.parse_args(argv)

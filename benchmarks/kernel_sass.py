@@ -160,12 +160,12 @@ def analyse(
 ) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
     _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
-    rows, subtiles = value_tiles(tuning, capacity=C, n_rep=n_rep)
+    quads, chain = value_tiles(tuning, capacity=C)
     # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles); a
     # score-kernel program serves one query head, a value-kernel program all n_rep of them
     per_thread = {
         "score": groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
-        "value": rows * subtiles * D * tuning.prefetch / (tuning.value_warps * 32),
+        "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
     }
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}
     out = []

@@ -8,7 +8,9 @@ States are real: built by kivi_jax.prefill and kivi_jax.append from random keys 
 test with random codes, scales and zero points written straight into the layout.
 
 Tolerance (STYLE.md, after flash-attention's tests): the kernels compute in float32 from the
-query and the state as stored and round only the output to the query's dtype, so they must be
+query and the state as stored (the query times the key scales and the softmax weights times the
+value scales carried as two int8 parts, ~16 bits against the largest of a set) and round only
+the output to the query's dtype, so they must be
 at most about twice as far from the float32 reference as a plain implementation that rounds
 its operands (query, keys, probabilities, values) to that dtype, plus a few units of roundoff
 of the values' scale. Both references read the same dequantized state
@@ -30,11 +32,10 @@ from kivi_jax.pallas_kernels.decode_attention import (
     supported_config_reason,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
-    _byte_to_field,
+    _byte_transpose,
     _dp4a,
-    _field,
     _field_mask,
-    _field_weight,
+    _pack_bytes,
     _words,
     quantize_query,
 )
@@ -44,20 +45,27 @@ from kivi_jax.cache import dequantized_heads_major
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_codes_decode_exactly_from_words(bits):
-    """Every code of every byte, at every byte position of a word, comes out of the kernels'
-    bit tricks as the float32 1 + c * 2**(bits*j - 8) with c what unpack_codes reads."""
+def test_value_words_transpose_into_token_bytes(rng, bits):
+    """The value kernel's unpacking: the byte transpose of 4 tokens' words, masked with field
+    j's mask, holds in byte a exactly c * 2**(bits*j), c the code unpack_codes reads for token a
+    and channel (4 * word + r) * (8 // bits) + j, for every r and j."""
     per = 8 // bits
-    byte = np.arange(256, dtype=np.uint8)
-    codes = np.asarray(kivi_jax.quantization.unpack_codes(jnp.asarray(byte), bits, axis=0))
-    codes = codes.reshape(256, per)  # codes[b, j]: field j of byte value b
-    for r in range(4):  # the byte's position in its word; the other bytes hold junk
-        junk = np.random.default_rng(r).integers(0, 256, (256, 4), dtype=np.uint8)
-        junk[:, r] = byte
-        aligned = _byte_to_field(_words(jnp.asarray(junk))[:, 0], r)
+    packed = rng.integers(0, 256, (4, 50, 4), dtype=np.uint8)  # [token, word, byte]
+    codes = np.asarray(kivi_jax.quantization.unpack_codes(jnp.asarray(packed), bits, axis=2))
+    codes = codes.reshape(4, 50, 4, per)  # [token, word, byte r, field j]
+    words = [_words(jnp.asarray(packed[a]))[:, 0] for a in range(4)]  # int32 [50] per token
+    tokens = _byte_transpose(words, interpret=True)
+    for r in range(4):
         for j in range(per):
-            x = np.asarray(_field(aligned, j, bits))
-            np.testing.assert_array_equal(_field_weight(j, bits) * (x - 1), codes[:, j])
+            masked = np.asarray(tokens[r] & _field_mask(j, bits)).view(np.uint8).reshape(50, 4)
+            np.testing.assert_array_equal(masked, codes[:, :, r, j].T << (bits * j))
+
+
+def test_pack_bytes_keeps_each_low_byte(rng):
+    """_pack_bytes puts the low byte of tile a (an int8 in two's complement) in byte a."""
+    x = rng.integers(-127, 128, (4, 100), dtype=np.int32)
+    packed = np.asarray(_pack_bytes([jnp.asarray(v) for v in x], interpret=True))
+    np.testing.assert_array_equal(packed.view(np.int8).reshape(100, 4), x.T.astype(np.int8))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -245,12 +253,12 @@ def test_random_layout_state_interpret(rng):
             score_rows=4,
             score_slices=2,
             score_program_groups=2,
-            value_rows=16,
-            value_subtiles=2,
+            value_quads=2,
+            value_chain=2,
             num_splits=5,
         ),
-        GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_rows=32, num_splits=2),
-        GpuTuning(prefetch=2, score_program_groups=64, value_rows=256, num_splits=1),
+        GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2),
+        GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
@@ -332,10 +340,10 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
 @pytest.mark.parametrize(
     "tuning",
     [
-        GpuTuning(score_rows=64, score_slices=8, value_rows=64, value_subtiles=2),
-        GpuTuning(prefetch=2, score_warps=8, value_warps=8, value_rows=256),
+        GpuTuning(score_rows=64, score_slices=8, value_quads=16, value_chain=4),
+        GpuTuning(prefetch=2, score_warps=8, value_warps=8, value_quads=64, value_chain=1),
         GpuTuning(
-            score_rows=8, score_slices=2, score_program_groups=4, value_rows=16, num_splits=7
+            score_rows=8, score_slices=2, score_program_groups=4, value_quads=4, num_splits=7
         ),
     ],
 )

@@ -21,14 +21,14 @@ arrays are reinterpreted by an XLA bitcast, no copy).
   the 4 bytes by 4 int8 query parts and sums them into an exact int32: 4 LOP3 and 8 IDP per
   16 codes.
 * Values (per-token quantization, ``v = s_t c + z_t`` per channel group):
-  ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``. A shift and an OR move byte ``r``
-  of a word to mantissa bits [15, 23) under the exponent of 1.0; each of its ``8 // bits``
-  codes is then one AND away from the float32 ``X = 1 + c * 2**(bits*j - 8)`` (``j`` the
-  code's field in the byte), and one FMA ``acc += (p_t s_t) * X`` adds it into a per-thread
-  accumulator tile that is reduced over tokens once, at the end of the program;
-  ``c = 2**(8 - bits*j) (X - 1)`` turns the sums into the output with per-group constants. The
-  float32 sums carry the offset ``1`` of ``X`` (at most 256 code steps) and lose at most 8 of
-  their 24 bits to it.
+  ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``. IDP.4A again, now summing over
+  4 tokens: the words of 4 consecutive tokens (a quad) are byte-transposed (8 PRMT), so that
+  byte a of word r holds byte r of token a; the same masks as for keys leave one code of each
+  of the 4 tokens per byte. The weights ``p_t s_t`` of a quad's 4 tokens are packed as int8
+  parts (two, as for the query: error at most 1/64516 of the largest weight in the set)
+  against the largest weight among the ``value_chain`` quads that a thread chains into the
+  same int32 sums in one iteration (no data leaves the thread); the sums are then scaled into
+  per-thread float32 accumulators, reduced over tokens once, at the end of the program.
 
 Three kernels, because the value side needs the softmax weights of every token before it
 starts and per-thread accumulators cannot afford an online-softmax rescale: the query kernel
@@ -47,9 +47,9 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md): ~2.3x faster than cuDNN bf16 attention at
-Llama-2-7B heads (MHA); with GQA the value kernel adds an FMA per element and query head, and
-at 4 query heads per KV head the step is about half cuDNN's speed.
+Measured on an H200 (docs/performance.md, GPU time): 2.68x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.03x). With GQA every query head has its own
+score and value programs, which read the KV head's words in turn (through L2).
 """
 
 from __future__ import annotations
@@ -66,13 +66,12 @@ from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
-_ONE_BITS = 0x3F800000  # float32 1.0
-_FIELD_LO = 15  # a byte's codes are moved to mantissa bits [15, 23)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuTuning:
-    """Tile sizes (no effect on results beyond float32 summation order).
+    """Tile sizes (no effect on results beyond rounding: float32 summation order, and which
+    value weights share an int8 scale).
 
     score_rows: key rows per iteration of the score kernel (a row: 4 tokens at 2 bits, 2 at 4
       bits, of every channel; rounded to whole key groups of G tokens).
@@ -80,16 +79,19 @@ class GpuTuning:
       the thread; with a row in 8 pieces of 4 words every thread owns whole rows).
     score_program_groups: key groups per score-kernel program.
     query_program_groups, query_warps: key groups and warps per query-kernel program.
-    value_rows: tokens per value sub-tile (the per-thread accumulators' rows) for MHA; divided
-      by n_rep (rounded up to a power of two) for GQA, where every query head has its own.
-    value_subtiles: value sub-tiles loaded per iteration (bytes in flight per program).
+    value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
+      a thread holds one quad's words of one channel group).
+    value_chain: value sub-tiles per iteration whose integer dot products a thread chains
+      into the same accumulators before they are scaled into float32 (the weights' int8 scale
+      is the largest weight among those 4 * value_chain tokens).
     prefetch: tiles whose loads are issued ahead of the one being computed (score and value
       kernels).
-    num_splits: value-kernel token splits per (sequence, KV head); None aims at
+    num_splits: value-kernel token splits per (sequence, query head); None aims at
       target_programs programs.
 
-    The defaults are among the fastest of the H200 sweeps at Llama-2-7B heads (within the
-    timing spread of the fastest), picked for their registers (docs/performance.md).
+    The score and query defaults are among the fastest of the H200 sweeps at Llama-2-7B heads
+    (within the timing spread of the fastest), picked for their registers; the value
+    defaults (4 warps x 8 quads each, chains of 2) were not swept (docs/performance.md).
     """
 
     score_rows: int = 16
@@ -98,8 +100,8 @@ class GpuTuning:
     score_warps: int = 1
     query_program_groups: int = 16
     query_warps: int = 4
-    value_rows: int = 64
-    value_subtiles: int = 2
+    value_quads: int = 32
+    value_chain: int = 2
     value_warps: int = 4
     prefetch: int = 2
     num_splits: int | None = None
@@ -154,18 +156,11 @@ def score_tiles(
     return program_groups, groups_per_iter, _pow2_divisor(head_dim // 4, tuning.score_slices)
 
 
-def value_tiles(tuning: GpuTuning, *, capacity: int, n_rep: int) -> tuple[int, int]:
-    """(tokens per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
-    of two, their product dividing the capacity."""
-    rows = _pow2_divisor(capacity, max(1, tuning.value_rows // pl.next_power_of_2(n_rep)))
-    return rows, _pow2_divisor(capacity // rows, tuning.value_subtiles)
-
-
-def _byte_to_field(words, r: int):
-    """int32 words -> byte r at bits [15, 23), OR-ed with float32 1.0 (a shift and an OR)."""
-    s = 8 * r - _FIELD_LO
-    aligned = lax.shift_left(words, -s) if s < 0 else lax.shift_right_logical(words, s)
-    return aligned | _ONE_BITS
+def value_tiles(tuning: GpuTuning, *, capacity: int) -> tuple[int, int]:
+    """(quads per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
+    of two, 4 times their product dividing the capacity."""
+    quads = _pow2_divisor(capacity // 4, tuning.value_quads)
+    return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
 
 
 def _words(codes):
@@ -173,21 +168,6 @@ def _words(codes):
     this as a bitcast of the same buffer on the GPU: no copy)."""
     *lead, n = codes.shape
     return lax.bitcast_convert_type(codes.reshape(*lead, n // 4, 4), jnp.int32)
-
-
-def _field(aligned, j: int, bits: int):
-    """float32 1 + c * 2**(bits*j - 8), c the code in field j of the aligned byte: one AND.
-
-    (a | ONE) & (M | ONE) == (a & M) | ONE when M and ONE share no bits; the AND also clears
-    the sign and top exponent bit that the shift left there.
-    """
-    mask = ((1 << bits) - 1) << (_FIELD_LO + bits * j)
-    return lax.bitcast_convert_type(aligned & (mask | _ONE_BITS), jnp.float32)
-
-
-def _field_weight(j: int, bits: int) -> float:
-    """c = _field_weight * (X - 1) for X = _field(..., j, bits)."""
-    return 2.0 ** (8 - bits * j)
 
 
 def _stack_fields(fields):
@@ -260,9 +240,65 @@ def _dp4a(a, b, c, *, interpret: bool):
     return out
 
 
-_Q_HI = 127  # |hi| <= 127: the query's int8 high part
+def _prmt(a, b, selector: int, *, interpret: bool):
+    """PRMT: byte i of the result is byte (selector >> 4i) & 7 of the 8 bytes of (b, a), a's
+    bytes first (one instruction on the GPU; the same bytes in interpret mode)."""
+    if interpret:
+        out = jnp.zeros_like(a)
+        for i in range(4):
+            k = (selector >> (4 * i)) & 7
+            byte = lax.shift_right_logical(a if k < 4 else b, 8 * (k % 4)) & 0xFF
+            out = out | lax.shift_left(byte, 8 * i)
+        return out
+    [out] = plgpu.elementwise_inline_asm(
+        f"prmt.b32 $0, $1, $2, {selector:#06x};",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
+    )
+    return out
+
+
+def _byte_transpose(words, *, interpret: bool):
+    """4 int32 tiles (one word of 4 tokens) -> 4 tiles, tile r holding byte r of token a's word
+    in its byte a: a 4x4 byte transpose in 8 PRMT."""
+    prmt = functools.partial(_prmt, interpret=interpret)
+    w0, w1, w2, w3 = words
+    lo01, hi01 = prmt(w0, w1, 0x5140), prmt(w0, w1, 0x7362)  # bytes 0, 1 / 2, 3 interleaved
+    lo23, hi23 = prmt(w2, w3, 0x5140), prmt(w2, w3, 0x7362)
+    return [
+        prmt(lo01, lo23, 0x5410),
+        prmt(lo01, lo23, 0x7632),
+        prmt(hi01, hi23, 0x5410),
+        prmt(hi01, hi23, 0x7632),
+    ]
+
+
+def _pack_bytes(x, *, interpret: bool):
+    """4 int32 tiles -> one, the low byte of tile a in byte a (3 PRMT)."""
+    prmt = functools.partial(_prmt, interpret=interpret)
+    return prmt(prmt(x[0], x[1], 0x5140), prmt(x[2], x[3], 0x5140), 0x5410)
+
+
+_Q_HI = 127  # |hi| <= 127: the int8 high part
 _Q_LO = 254  # the low part carries (u - hi) * 254, |.| <= 127: about 16 bits in all
-_TINY = 1e-30  # below this a group's largest |q_d s_gd| counts as zero (1 / unit stays finite)
+_TINY = 1e-30  # below this a set's largest |x| counts as zero (1 / unit stays finite)
+
+
+def _int8_unit(amax):
+    """The unit of `_int8_parts` for values with |x| <= amax: amax / 127 (1 where amax is
+    below 1e-30, so that such values give zero parts and 1 / unit stays finite)."""
+    return jnp.where(amax > _TINY, amax / _Q_HI, 1.0)
+
+
+def _int8_parts(x, unit):
+    """(hi, lo) int32 in [-127, 127] with x = unit * (hi + lo / 254) + e, |e| <= 127 unit / 64516,
+    for |x| <= 127 unit."""
+    u = x * (1.0 / unit)  # |u| <= 127 (to within rounding)
+    hi = jnp.floor(u + 0.5)
+    lo = jnp.floor((u - hi) * _Q_LO + 0.5)  # |u - hi| <= 1/2
+    return hi.astype(jnp.int32), lo.astype(jnp.int32)
 
 
 def _query_kernel(
@@ -276,17 +312,14 @@ def _query_kernel(
     n_rep = q_ref.shape[0]
     scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
     byte_shift = 8 * lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
-    round_ = lambda x: jnp.floor(x + 0.5)
     for h in range(n_rep):
         q = q_ref[h][None]  # [1, W, 4]
         qk = q * scale  # [NG, W, 4]: q_d s_gd
         amax = jnp.max(jnp.max(jnp.abs(qk), axis=2), axis=1)  # [NG]
-        unit = jnp.where(amax > _TINY, amax / _Q_HI, 1.0)  # a group of ~zeros: hi = lo = 0
-        u = qk * (1.0 / unit)[:, None, None]  # |u| <= 127 (to within rounding)
-        hi = round_(u)
-        lo = round_((u - hi) * _Q_LO)  # |u - hi| <= 1/2
+        unit = _int8_unit(amax)
+        hi, lo = _int8_parts(qk, unit[:, None, None])
         for part, x in enumerate((hi, lo)):
-            q8_ref[h, :, part, :] = jnp.sum((x.astype(jnp.int32) & 0xFF) << byte_shift, axis=2)
+            q8_ref[h, :, part, :] = jnp.sum((x & 0xFF) << byte_shift, axis=2)
         cb_ref[h, 0, :] = unit / _Q_LO
         cb_ref[h, 1, :] = jnp.sum(jnp.sum(q * zero, axis=2), axis=1)
 
@@ -393,80 +426,93 @@ def _score_kernel(
 
 def _value_kernel(
     len_ref,  # []                         int32
-    m_ref,  # [n_rep]                      f32 global max of each query head's logits
-    s_ref,  # [n_rep, C]                   f32 logits (the score kernel's output)
-    vw_ref,  # [C, n_ch, wpg]              int32 value words: token, channel group, word
-    vs_ref,  # [C, n_ch]                   value scale
-    vz_ref,  # [C, n_ch]                   value zero point
-    o_ref,  # out [n_rep, n_ch, wpg, 4, vpb] f32 sum_t p_t v_t, channel ((ch*wpg + u)*4 + r)*vpb + j
-    l_ref,  # out [n_rep]                  f32 sum_t p_t
+    m_ref,  # []                           f32 global max of the query head's logits
+    s_ref,  # [C/4, 4]                     f32 logits (the score kernel's output), by quad
+    vw_ref,  # [C/4, 4, n_ch, wpg]         int32 value words: quad, token, channel group, word
+    vs_ref,  # [C/4, 4, n_ch]              value scale
+    vz_ref,  # [C/4, 4, n_ch]              value zero point
+    o_ref,  # out [n_ch, wpg, 4, vpb]      f32 sum_t p_t v_t, channel ((ch*wpg + u)*4 + r)*vpb + j
+    l_ref,  # out []                       f32 sum_t p_t
     *,
     bits: int,
     residual_length: int,
-    rows: int,
-    subtiles: int,
+    quads: int,
+    chain: int,
     tokens_per_split: int,
     prefetch: int,
+    interpret: bool,
 ):
-    n_rep = m_ref.shape[0]
-    C, n_ch, wpg = vw_ref.shape
+    C4, _, n_ch, wpg = vw_ref.shape
     vpb = 8 // bits
     length = len_ref[()]
     pv = jnp.maximum(length - residual_length, 0)
     lo = pl.program_id(2) * tokens_per_split
-    step = rows * subtiles
+    step = 4 * quads * chain  # tokens per iteration
     hi = jnp.minimum(lo + tokens_per_split, pv)  # this split's quantized values: [lo, hi)
     n_tiles = jnp.clip(pl.cdiv(hi - lo, step), 0, tokens_per_split // step)
-    m = [m_ref[h] for h in range(n_rep)]
+    m = m_ref[()]
+    shape = (quads, n_ch, wpg)
 
     def load(k):
-        """Tile k's codes, scales, zero points and logits per sub-tile (rows clamped into the
-        capacity: a tile past the split is loaded from in-bounds rows, not used)."""
+        """Tile k: per sub-tile and token of a quad, the words, scales, zero points and logits
+        (quads clamped into the capacity: a tile past the split is loaded, not used)."""
+        i0 = jnp.minimum((lo + k * step) // 4, C4 - step // 4)
         tiles = []
-        for sub in range(subtiles):
-            t0 = jnp.minimum(lo + k * step, C - step) + sub * rows
-            logits = tuple(s_ref[h, pl.ds(t0, rows)] for h in range(n_rep))
-            words = vw_ref[pl.ds(t0, rows)]
-            tiles.append((words, vs_ref[pl.ds(t0, rows), :], vz_ref[pl.ds(t0, rows), :], logits))
+        for c in range(chain):
+            q = pl.ds(i0 + c * quads, quads)
+            tiles.append(
+                tuple((vw_ref[q, a], vs_ref[q, a], vz_ref[q, a], s_ref[q, a]) for a in range(4))
+            )
         return tuple(tiles)
 
     def compute(k, tile, carry):
-        acc, sp, pz, ls = (list(map(list, carry[0])), *map(list, carry[1:]))
-        for sub, (words, vs, vz, logits) in enumerate(tile):
-            t0 = lo + k * step + sub * rows
-            valid = (t0 + lax.broadcasted_iota(jnp.int32, (rows,), 0)) < hi
-            aligned = [_byte_to_field(words, r) for r in range(4)]  # [rows, n_ch, wpg]
-            x = [[_field(a, j, bits) for j in range(vpb)] for a in aligned]  # x[r][j]
-            vs, vz = vs.astype(jnp.float32), vz.astype(jnp.float32)  # [rows, n_ch]
-            for h in range(n_rep):
-                p = jnp.where(valid, jnp.exp2(logits[h] - m[h]), 0.0)  # [rows]
-                ps = p[:, None] * vs  # the token's value scale folded into its weight
-                sp[h] = sp[h] + ps
-                pz[h] = pz[h] + p[:, None] * vz
-                ls[h] = ls[h] + p
-                for r in range(4):
-                    for j in range(vpb):
-                        f = r * vpb + j  # field j of byte r
-                        acc[h][f] = acc[h][f] + ps[:, :, None] * x[r][j]
-        return tuple(map(tuple, acc)), tuple(sp), tuple(pz), tuple(ls)
+        acc, pz, ls = list(carry[0]), carry[1], carry[2]
+        quad = lax.broadcasted_iota(jnp.int32, (quads,), 0)
+        w = []  # w[c][a] [quads, n_ch]: p_t s_t of token a of each quad of sub-tile c
+        for c, sub in enumerate(tile):
+            t0 = lo + k * step + 4 * quads * c
+            w.append([])
+            for a, (_, vs, vz, logits) in enumerate(sub):
+                p = jnp.where(t0 + 4 * quad + a < hi, jnp.exp2(logits - m), 0.0)  # [quads]
+                w[c].append(p[:, None] * vs.astype(jnp.float32))
+                pz = pz + p[:, None] * vz.astype(jnp.float32)
+                ls = ls + p
+        # The weights as int8 parts per quad and channel group, against the largest among the
+        # tile's 4 * chain tokens of that quad position (no data leaves the thread).
+        unit = _int8_unit(functools.reduce(jnp.maximum, [jnp.abs(x) for ws in w for x in ws]))
+        parts = []  # parts[c] = (hi, lo) words [quads, n_ch, wpg], token a's part in byte a
+        for ws in w:
+            hi_lo = [_int8_parts(x, unit) for x in ws]
+            packed = [_pack_bytes([x[part] for x in hi_lo], interpret=interpret) for part in (0, 1)]
+            parts.append([jnp.broadcast_to(x[..., None], shape) for x in packed])
+        # Integer dot products over the 4 tokens of each quad, chained over the sub-tiles.
+        sums = [[jnp.zeros(shape, jnp.int32) for _ in (0, 1)] for _ in range(4 * vpb)]
+        for c, sub in enumerate(tile):
+            tokens = _byte_transpose([words for words, *_ in sub], interpret=interpret)
+            for r in range(4):
+                for j in range(vpb):
+                    x = tokens[r] & _field_mask(j, bits)  # c * 2**(bits*j) of 4 tokens
+                    f = r * vpb + j
+                    for i in (0, 1):  # hi, lo
+                        sums[f][i] = _dp4a(x, parts[c][i], sums[f][i], interpret=interpret)
+        coef = (unit / _Q_LO)[..., None]
+        for f, (s_hi, s_lo) in enumerate(sums):
+            acc[f] = acc[f] + (s_hi * _Q_LO + s_lo).astype(jnp.float32) * coef
+        return tuple(acc), pz, ls
 
-    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
     carry = (
-        tuple(tuple(zeros(rows, n_ch, wpg) for _ in range(4 * vpb)) for _ in range(n_rep)),
-        tuple(zeros(rows, n_ch) for _ in range(n_rep)),
-        tuple(zeros(rows, n_ch) for _ in range(n_rep)),
-        tuple(zeros(rows) for _ in range(n_rep)),
+        tuple(jnp.zeros(shape, jnp.float32) for _ in range(4 * vpb)),
+        jnp.zeros((quads, n_ch), jnp.float32),
+        jnp.zeros((quads,), jnp.float32),
     )
     live = lambda k: lo + k * step < hi  # k < n_tiles
-    acc, sp, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live)
-    for h in range(n_rep):
-        sp_h = jnp.sum(sp[h], axis=0)[:, None]  # [n_ch, 1]
-        pz_h = jnp.sum(pz[h], axis=0)[:, None]
-        for r in range(4):
-            for j in range(vpb):
-                a = jnp.sum(acc[h][r * vpb + j], axis=0)  # [n_ch, wpg]
-                o_ref[h, :, :, r, j] = _field_weight(j, bits) * (a - sp_h) + pz_h
-        l_ref[h] = jnp.sum(ls[h])
+    acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live)
+    pz = jnp.sum(pz, axis=0)[:, None]  # [n_ch, 1]
+    for r in range(4):
+        for j in range(vpb):
+            a = jnp.sum(acc[r * vpb + j], axis=0)  # [n_ch, wpg]
+            o_ref[:, :, r, j] = a * 2.0 ** (-bits * j) + pz
+    l_ref[()] = jnp.sum(ls)
 
 
 def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, residual_length,
@@ -526,58 +572,67 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
 def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group_size,
                     residual_length, tuning, interpret):  # fmt: skip
     """The value kernel. m [B, H, n_rep] (max logit per row), scores [B, H, n_rep, C] ->
-    unnormalised sum_t 2**(s_t - m) v_t [B, H, S, n_rep, D] and sum_t 2**(s_t - m)
-    [B, H, S, n_rep] over the quantized values, per token split."""
+    unnormalised sum_t 2**(s_t - m) v_t [B, H, n_rep, S, D] and sum_t 2**(s_t - m)
+    [B, H, n_rep, S] over the quantized values, per token split. One query head per program:
+    with GQA the n_rep heads of a KV head read its value words in turn (through L2)."""
     B, H, n_rep, C = scores.shape
     D = v_codes.shape[3] * (8 // bits)
-    G, vpb = group_size, 8 // bits
+    G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
-    rows, subtiles = value_tiles(tuning, capacity=C, n_rep=n_rep)
-    step = rows * subtiles
+    quads, chain = value_tiles(tuning, capacity=C)
+    step = 4 * quads * chain
     n_steps = C // step
     if tuning.num_splits is not None:
         S = max(1, min(tuning.num_splits, n_steps))
     else:
-        S = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * H)))
+        S = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
     steps_per_split = pl.cdiv(n_steps, S)
     S = pl.cdiv(n_steps, steps_per_split)
+    kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
     o, l_sum = pl.pallas_call(
         functools.partial(
             _value_kernel,
             bits=bits,
             residual_length=residual_length,
-            rows=rows,
-            subtiles=subtiles,
+            quads=quads,
+            chain=chain,
             tokens_per_split=steps_per_split * step,
             prefetch=tuning.prefetch,
+            interpret=interpret,
         ),
-        grid=(B, H, S),
+        grid=(B, Hq, S),
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, n_rep), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, None, n_rep, C), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, C, n_ch, wpg), lambda b, h, s: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, C, n_ch), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, C, n_ch), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None), lambda b, h, s: (b, h)),
+            pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, C // 4, 4, n_ch, wpg), lambda b, h, s: (*kv(b, h, s), 0)),
+            pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
+            pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
         ],
         out_specs=[
             pl.BlockSpec(
-                (None, None, None, n_rep, n_ch, wpg, 4, vpb),
-                lambda b, h, s: (b, h, s, 0, 0, 0, 0, 0),
+                (None, None, None, n_ch, wpg, 4, vpb), lambda b, h, s: (b, h, s, 0, 0, 0, 0)
             ),
-            pl.BlockSpec((None, None, None, n_rep), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None), lambda b, h, s: (b, h, s)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, S, n_rep, n_ch, wpg, 4, vpb), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, S, n_rep), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, S, n_ch, wpg, 4, vpb), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(
             num_warps=tuning.value_warps, num_stages=tuning.num_stages
         ),
         interpret=interpret,
         name="kivi_values",
-    )(lengths, m, scores, _words(v_codes).reshape(B, H, C, n_ch, wpg), v_scale, v_zero)
-    return o.reshape(B, H, S, n_rep, D), l_sum
+    )(
+        lengths,
+        m.reshape(B, Hq),
+        scores.reshape(B, Hq, C // 4, 4),
+        _words(v_codes).reshape(B, H, C // 4, 4, n_ch, wpg),
+        v_scale.reshape(B, H, C // 4, 4, n_ch),
+        v_zero.reshape(B, H, C // 4, 4, n_ch),
+    )
+    return o.reshape(B, H, n_rep, S, D), l_sum.reshape(B, H, n_rep, S)
 
 
 @functools.partial(
@@ -646,8 +701,8 @@ def kivi_decode_attention_gpu(
     o, l_sum = weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, bits=v_bits, **common)
     p_tail = jnp.where(held, jnp.exp2(s_tail - m[..., None]), 0.0)  # [B, H, n_rep, R]
     o_tail = jnp.einsum("bhrs,bhsd->bhrd", p_tail, v_residual.astype(jnp.float32), precision=hi)
-    num = jnp.sum(o, axis=2) + o_tail
-    den = (jnp.sum(l_sum, axis=2) + jnp.sum(p_tail, axis=-1))[..., None]
+    num = jnp.sum(o, axis=3) + o_tail
+    den = (jnp.sum(l_sum, axis=-1) + jnp.sum(p_tail, axis=-1))[..., None]
     out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
     return out.reshape(B, Hq, D).astype(q.dtype)
 
