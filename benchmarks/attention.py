@@ -104,8 +104,10 @@ def _timed(fn, args, *, repeats: int) -> float:
 def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
     """(name, start ns, end ns) of every kernel on the first GPU in a jax.profiler trace,
     sorted by start; [] where the trace has no GPU (CPU runs)."""
-    [path] = Path(trace_dir).rglob("*.xplane.pb")
-    plane = jax.profiler.ProfileData.from_file(str(path)).find_plane_with_name("/device:GPU:0")
+    paths = list(Path(trace_dir).rglob("*.xplane.pb"))
+    if len(paths) != 1:
+        return []
+    plane = jax.profiler.ProfileData.from_file(str(paths[0])).find_plane_with_name("/device:GPU:0")
     if plane is None:
         return []
     lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or list(plane.lines)
@@ -167,6 +169,8 @@ def device_interleaved(runs: dict, *, rounds: int) -> dict:
         jax.profiler.stop_trace()
         traced = split_runs(gpu_kernels(d))
     if len(traced) != rounds * len(order):
+        if traced:  # a GPU trace whose runs could not be told apart: say so, use host time
+            print(f"GPU trace: {len(traced)} runs for {rounds * len(order)}", file=sys.stderr)
         return {}
     spans = {name: [] for name in order}
     for i, r in enumerate(traced):
@@ -314,6 +318,7 @@ def bench_shape(
         gbs = nbytes / sec / 1e9
         row["methods"][name] = {
             "us": sec * 1e6,
+            "timing": "host" if device is None else "gpu",
             "host_us": host * 1e6,
             "bytes": nbytes,
             "GB_per_s": gbs,
@@ -409,6 +414,7 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
         host = _timed(fn, args, repeats=repeats)
         device = device_seconds(fn, args, repeats=repeats)
         out[name] = (host if device is None else device) / calls * 1e6
+        out["timing"] = "host" if device is None else "gpu"
     print(f"  kernels alone: {out}", flush=True)
     return out
 
@@ -444,10 +450,12 @@ def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
                 runs[i, name] = run
     timed = timed_interleaved(runs, rounds=rounds)
     live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
-    timed |= device_interleaved(live, rounds=rounds)  # GPU time where there is a trace
+    device = device_interleaved(live, rounds=rounds)  # {} without a usable GPU trace
+    timed |= device
     out = []
     for i, t in enumerate(SWEEP):
         rec = {"shape": s.name, "tuning": dataclasses.asdict(t)}
+        rec["timing"] = "gpu" if device else "host"
         for name in ("us", *KERNEL_COLUMNS):
             v = timed.get((i, name))
             if isinstance(v, float):
@@ -471,7 +479,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "(CUPTI trace: first kernel start to last kernel end of a run, so the host's dispatch "
         "is left out), host µs the wall time of a run on the host. KIVI: "
         f"G={GROUP}, R={RESIDUAL}, every sequence at full context; bytes = what each method "
-        "must read; GB/s, % of peak, and speed-up use µs.",
+        "must read; GB/s, % of peak, and speed-up use µs (* where no GPU trace was taken: "
+        "host time).",
         "",
         *(
             [
@@ -496,8 +505,9 @@ def write_markdown(result: dict, path: Path) -> None:
             sp = f"{m['speedup']:.2f}x" if "speedup" in m else ""
             hsp = f"{m['host_speedup']:.2f}x" if "host_speedup" in m else ""
             host = f"{m['host_us']:.1f}" if "host_us" in m else ""
+            us = f"{m['us']:.1f}" + ("*" if m.get("timing") == "host" else "")
             lines.append(
-                f"| {row['shape']} | {name} | {m['us']:.1f} | {host} | {m['bytes'] / 1e6:.1f} | "
+                f"| {row['shape']} | {name} | {us} | {host} | {m['bytes'] / 1e6:.1f} | "
                 f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} | "
                 f"{hsp} |"
             )
@@ -506,7 +516,8 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
             "## The kernels alone (default tuning)",
             "",
-            "The score kernel's time includes the query kernel it runs first.",
+            "The score kernel's time includes the query kernel it runs first. GPU time "
+            "(host time where the record's `timing` says so).",
             "",
             "| shape | bits | query kernel µs | score kernel µs | value kernel µs |",
             "|---|---:|---:|---:|---:|",
@@ -521,7 +532,8 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
             "All entries timed interleaved (one run of each per "
             "round, median over the rounds), the kernels alone on random logits; the score "
-            "kernel's time includes the query kernel.",
+            "kernel's time includes the query kernel. GPU time from a trace of further "
+            "interleaved rounds (host time where the records' `timing` says so).",
             "",
         ]
         lines.append(

@@ -3,8 +3,8 @@
 Nsight Compute (``ncu``) reads the hardware counters of every kernel it is told to profile;
 this script only provides the launches: for each shape and bit width it runs the query kernel,
 the score kernel (which runs the query kernel first) and the value kernel (on random logits)
-twice (the first launch compiles and warms up; ``kernel_profile_summary.py`` reports the
-last launch of each kernel).
+twice (the first launch compiles and warms up; ``kernel_profile_summary.py`` lists every
+launch, so the later of each pair is the warm one).
 
     bash benchmarks/kernel_profile.sh OUT_DIR
 

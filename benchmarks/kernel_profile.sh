@@ -2,8 +2,9 @@
 # Nsight Compute profile of the decode kernels (H200; run from the repository root, as
 # h200_session.sh does). Usage: bash benchmarks/kernel_profile.sh OUT_DIR [kernel_profile.py args]
 # Writes OUT_DIR/profile.ncu-rep, details.txt (every section, every launch) and raw.csv.
-set -u
-out=${1:?out dir}; shift
+set -u -o pipefail
+out=$(realpath -m "${1:?out dir}"); shift
+mkdir -p "$out"
 rm -rf /tmp/pk && mkdir -p /tmp/pk
 cp -r kivi_jax tests benchmarks pyproject.toml /tmp/pk/
 cp -r models /tmp/pk/kivi_jax/models && cp -r pallas_kernels /tmp/pk/kivi_jax/pallas_kernels
@@ -16,7 +17,7 @@ ncu --clock-control none --kernel-name regex:kivi --set full --import-source no 
   -o "$out/profile" -f python3 benchmarks/kernel_profile.py "$@" 2>&1 | tail -20
 ncu --import "$out/profile.ncu-rep" --page details > "$out/details.txt"
 ncu --import "$out/profile.ncu-rep" --page raw --csv > "$out/raw.csv"
-# Per-instruction SASS with stall samples, one file per kernel name (last launch of each).
+# Per-instruction SASS with stall samples, one file per kernel name (every launch of it).
 for k in kivi_query kivi_scores kivi_values; do
   ncu --import "$out/profile.ncu-rep" --page source --csv --print-source sass \
     --kernel-name "$k" > "$out/source_$k.csv" 2>> "$out/source.log" || true

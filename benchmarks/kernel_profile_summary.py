@@ -11,15 +11,15 @@ import re
 import sys
 from pathlib import Path
 
-METRICS = [  # (column, metric name, unit as ncu prints it)
-    ("µs", "Duration", "us"),
-    ("DRAM %", "DRAM Throughput", "%"),
-    ("TB/s", "Memory Throughput", "Tbyte/s"),
-    ("SM %", "Compute (SM) Throughput", "%"),
-    ("issue busy %", "Issue Slots Busy", "%"),
-    ("regs", "Registers Per Thread", "register/thread"),
-    ("occupancy %", "Achieved Occupancy", "%"),
-    ("cycles per issue", "Warp Cycles Per Issued Instruction", "cycle"),
+METRICS = [  # (column, metric name, {unit as ncu prints it: factor to the column's unit})
+    ("µs", "Duration", {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}),
+    ("DRAM %", "DRAM Throughput", {"%": 1.0}),
+    ("TB/s", "Memory Throughput", {"Mbyte/s": 1e-6, "Gbyte/s": 1e-3, "Tbyte/s": 1.0}),
+    ("SM %", "Compute (SM) Throughput", {"%": 1.0}),
+    ("issue busy %", "Issue Slots Busy", {"%": 1.0}),
+    ("regs", "Registers Per Thread", {"register/thread": 1.0}),
+    ("occupancy %", "Achieved Occupancy", {"%": 1.0}),
+    ("cycles per issue", "Warp Cycles Per Issued Instruction", {"cycle": 1.0}),
 ]
 _LAUNCH = re.compile(r"^  (\w+) \(([\d, ]+)\)x\(([\d, ]+)\)")
 _STALL = re.compile(r"spends ([\d.]+) cycles being stalled waiting for (.*?) This stall type "
@@ -36,11 +36,11 @@ def launches(text: str) -> list[dict]:
             out[-1]["_"].append(line)
     for launch in out:
         body = launch.pop("_")
-        for column, name, unit in METRICS:
+        for column, name, units in METRICS:
             for line in body:
-                m = re.match(rf"\s+{re.escape(name)}\s+{re.escape(unit)}\s+([\d,.]+)\s*$", line)
-                if m:
-                    launch[column] = m.group(1).replace(",", "")
+                m = re.match(rf"\s+{re.escape(name)}\s+(\S+)\s+([\d,.]+)\s*$", line)
+                if m and m.group(1) in units:
+                    launch[column] = f"{float(m.group(2).replace(',', '')) * units[m.group(1)]:.4g}"
                     break
         joined = " ".join(x.strip() for x in body)
         stall = _STALL.search(joined)

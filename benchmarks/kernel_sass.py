@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import functools
 import re
-import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -110,25 +109,6 @@ def load_span(loop: list[str]) -> tuple[int, int] | None:
     return (round(100 * at[0] / len(loop)), round(100 * at[-1] / len(loop))) if at else None
 
 
-def lop3_to_ffma(loop: list[str]) -> list[int]:
-    """For each LOP3 whose result an FFMA reads before the register is written again, how many
-    instructions later that FFMA comes (the unpacked code's path into its multiply-add)."""
-    dest = lambda t: t.split()[1].rstrip(",") if len(t.split()) > 1 else ""
-    out = []
-    for i, t in enumerate(loop):
-        if opcode(t) != "LOP3":
-            continue
-        reg = dest(t)
-        for j in range(i + 1, len(loop)):
-            sources = loop[j].split(",", 1)[1] if "," in loop[j] else ""
-            if opcode(loop[j]) == "FFMA" and re.search(rf"\b{reg}\b", sources):
-                out.append(j - i)
-                break
-            if dest(loop[j]) == reg:
-                break
-    return out
-
-
 def compile_sass(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> tuple[str, str]:
     """Triton IR -> (ptxas -v report, cuobjdump SASS) for sm_90a."""
     import triton
@@ -162,7 +142,7 @@ def analyse(
     _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     quads, chain = value_tiles(tuning, capacity=C)
     # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles); a
-    # score-kernel program serves one query head, a value-kernel program all n_rep of them
+    # score- or value-kernel program serves one query head
     per_thread = {
         "score": groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
         "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
@@ -177,7 +157,6 @@ def analyse(
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(t) for t in loop)
         n = len(loop)
-        dist = lop3_to_ffma(loop)
         out.append({
             "kernel": name,
             "tuning": dataclasses.asdict(tuning),
@@ -189,8 +168,7 @@ def analyse(
             "per_code": n / per_thread[name],
             "barriers": ops["BAR"],
             "ldg_span_pct": load_span(loop),
-            "lop3_to_ffma_median": statistics.median(dist) if dist else None,
-            "lop3_to_ffma_within_5": sum(d <= 5 for d in dist) / len(dist) if dist else None,
+            "shared_round_trips": ops["STS"],
             "top": ops.most_common(10),
         })  # fmt: skip
     return out
@@ -232,32 +210,25 @@ def main(argv=None):
         "# Main loops of the score and value kernels in SASS (sm_90a; D=128, G=32, bf16)",
         "",
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
-        "per code = loop instructions / codes one thread handles per loop iteration (a score",
-        "program serves one query head, a value program all n_rep of them, so with GQA the value",
-        "kernel's count covers n_rep uses of each code).",
+        "per code = loop instructions / codes one thread handles per loop iteration (score and",
+        "value programs serve one query head each, so n_rep does not change their loops).",
         "",
         "LDG span: where the loop's global loads sit (first and last, % of the loop body; the",
-        "loads of the next tiles should come before the arithmetic). LOP3 -> FFMA: instructions",
-        "from an unpacking LOP3 to the FFMA that reads its result (median; share within 5; the",
-        "score kernel has no FFMA in its loop: IDP.4A takes the masked words).",
+        "loads of the next tiles should come before the arithmetic). STS: shared-memory stores",
+        "in the loop (layout conversions through shared memory, each with barriers).",
         "",
-        "| kernel | bits | n_rep | tuning | regs | spill B | loop instr | per code | BAR "
-        "| LDG span % | LOP3 -> FFMA | most frequent |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| kernel | bits | n_rep | tuning | regs | spill B | loop instr | per code | BAR | STS "
+        "| LDG span % | most frequent |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         changed = {k: v for k, v in r["tuning"].items() if v != default[k]} or "default"
         top = ", ".join(f"{op} {c}" for op, c in r["top"][:8])
         span = "-".join(map(str, r["ldg_span_pct"])) if r["ldg_span_pct"] else "none"
-        dist = (
-            f"{r['lop3_to_ffma_median']:g}; {100 * r['lop3_to_ffma_within_5']:.0f}%"
-            if r["lop3_to_ffma_median"] is not None
-            else "none"
-        )
         lines.append(
             f"| {r['kernel']} | {r['bits']} | {r['n_rep']} | {changed} | {r['registers']} | "
             f"{r['spill_bytes']} | {r['loop_instructions']} | {r['per_code']:.2f} | "
-            f"{r['barriers']} | {span} | {dist} | {top} |"
+            f"{r['barriers']} | {r['shared_round_trips']} | {span} | {top} |"
         )
     lines += [
         "",

@@ -41,6 +41,8 @@ def trace(fn, args, *, repeats: int) -> dict:
             time.sleep(0.005)  # bench.split_runs splits runs at gaps over 2 ms
         jax.profiler.stop_trace()
         runs = bench.split_runs(bench.gpu_kernels(d))
+    if len(runs) != repeats:
+        raise RuntimeError(f"the GPU trace holds {len(runs)} runs, not {repeats}")
     per_name = collections.defaultdict(list)
     for run in runs:
         for name, t0, t1 in run:

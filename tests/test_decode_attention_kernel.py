@@ -301,6 +301,8 @@ def test_bad_tunings_are_named():
         GpuTuning(score_slices=3)
     with pytest.raises(ValueError, match="query_program_groups"):
         GpuTuning(query_program_groups=0)
+    with pytest.raises(ValueError, match="value_chain=128: at most 64"):
+        GpuTuning(value_chain=128)
     assert GpuTuning(num_splits=None).num_splits is None
 
 

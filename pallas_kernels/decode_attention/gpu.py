@@ -48,8 +48,10 @@ Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
 Measured on an H200 (docs/performance.md, GPU time): 2.68x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.03x). With GQA every query head has its own
-score and value programs, which read the KV head's words in turn (through L2).
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.03x; measured with GQA heads still unrolled in
+one value program, which for these MHA heads builds the same value kernel). With GQA every
+query head has its own score and value programs, which read the KV head's words in turn
+(through L2).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
+# Value sums chained over a tile: 254 S_hi + S_lo <= chain * 4 * 255 * 127 * 255 < 2**31.
+_MAX_CHAIN = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +122,11 @@ class GpuTuning:
         for name in ("score_warps", "value_warps", "query_warps", "score_slices"):
             if getattr(self, name) & (getattr(self, name) - 1):
                 raise ValueError(f"GpuTuning.{name} must be a power of two")
+        if self.value_chain > _MAX_CHAIN:
+            raise ValueError(
+                f"GpuTuning.value_chain={self.value_chain}: at most {_MAX_CHAIN} (the chained "
+                "int32 sums of the value kernel would overflow)"
+            )
 
 
 def supported_config_reason(
