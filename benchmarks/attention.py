@@ -126,11 +126,14 @@ def split_runs(events) -> list[list[tuple[str, int, int]]]:
     return runs
 
 
-def device_seconds(fn, args, *, repeats: int) -> float | None:
-    """Median GPU time of one run of fn(*args) (already warm): first kernel start to last
-    kernel end, so the host's dispatch before the first kernel and its wait after the last
-    are left out; None without a GPU trace."""
-    return device_interleaved({0: (fn, args)}, rounds=repeats).get(0)
+def timed_on_gpu(fn, args, *, repeats: int) -> tuple[float, float, str]:
+    """(seconds, host seconds, timing) of one run of fn(*args): seconds is the median GPU time
+    (first kernel start to last kernel end, so the host's dispatch before the first kernel and
+    its wait after the last are left out; timing "gpu"), or the host time where there is no
+    GPU trace (timing "host")."""
+    host = _timed(fn, args, repeats=repeats)
+    device = device_interleaved({0: (fn, args)}, rounds=repeats).get(0)
+    return (host, host, "host") if device is None else (device, host, "gpu")
 
 
 def timed_interleaved(runs: dict, *, rounds: int) -> dict:
@@ -154,20 +157,34 @@ def timed_interleaved(runs: dict, *, rounds: int) -> dict:
     return out | {name: statistics.median(t) for name, t in times.items()}
 
 
-def device_interleaved(runs: dict, *, rounds: int) -> dict:
-    """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
-    runs (name -> (fn, args), already warm), from one CUPTI trace of `rounds` round-robin
-    rounds; {} without a GPU trace."""
-    order = list(runs)
+def interleaved(runs: dict, *, rounds: int) -> tuple[dict, str]:
+    """(times, timing): `timed_interleaved` on the host, then the entries that ran timed again
+    on the GPU (`device_interleaved`), whose times replace the host's; timing is "gpu", or
+    "host" where there is no usable GPU trace."""
+    timed = timed_interleaved(runs, rounds=rounds)
+    live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
+    device = device_interleaved(live, rounds=rounds)
+    return timed | device, "gpu" if device else "host"
+
+
+def traced_runs(runs: dict, *, rounds: int) -> list[list[tuple[str, int, int]]]:
+    """The GPU kernels of every run in one CUPTI trace of `rounds` round-robin rounds over
+    runs (name -> (fn, args), already warm), in the order they ran; [] without a GPU trace."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(rounds):
-            for name in order:
-                fn, args = runs[name]
+            for fn, args in runs.values():
                 jax.block_until_ready(fn(*args))
-                time.sleep(0.005)
+                time.sleep(0.005)  # split_runs separates runs at gaps over 2 ms
         jax.profiler.stop_trace()
-        traced = split_runs(gpu_kernels(d))
+        return split_runs(gpu_kernels(d))
+
+
+def device_interleaved(runs: dict, *, rounds: int) -> dict:
+    """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
+    runs (name -> (fn, args), already warm), from `traced_runs`; {} without a usable trace."""
+    order = list(runs)
+    traced = traced_runs(runs, rounds=rounds)
     if len(traced) != rounds * len(order):
         if traced:  # a GPU trace whose runs could not be told apart: say so, use host time
             print(f"GPU trace: {len(traced)} runs for {rounds * len(order)}", file=sys.stderr)
@@ -183,11 +200,7 @@ def measure_read_bandwidth(gib: float = 8.0, repeats: int = 10) -> dict[str, flo
     and a float32 sum over rows, which XLA tiles differently), in GPU time where there is a
     trace (host time otherwise). The best is the peak."""
 
-    def seconds(fn, x):
-        host = _timed(fn, (x,), repeats=repeats)
-        device = device_seconds(fn, (x,), repeats=repeats)
-        return host if device is None else device
-
+    seconds = lambda fn, x: timed_on_gpu(fn, (x,), repeats=repeats)[0]
     n = int(gib * 2**30) // 4
     rows = 2**14
     out = {}
@@ -307,18 +320,16 @@ def bench_shape(
 
     def record(name, nbytes, fn, args):
         try:
-            many = _many_calls(fn, *args)
-            host = _timed(many, args, repeats=repeats) / calls
-            device = device_seconds(many, args, repeats=repeats)
+            sec, host, timing = timed_on_gpu(_many_calls(fn, *args), args, repeats=repeats)
         except Exception as e:  # a baseline that does not run on this shape is reported, not fatal
             row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             return
-        sec = host if device is None else device / calls
+        sec, host = sec / calls, host / calls
         gbs = nbytes / sec / 1e9
         row["methods"][name] = {
             "us": sec * 1e6,
-            "timing": "host" if device is None else "gpu",
+            "timing": timing,
             "host_us": host * 1e6,
             "bytes": nbytes,
             "GB_per_s": gbs,
@@ -411,10 +422,8 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     logits = random_logits(key, s, len(states))
     out = {"shape": s.name, "bits": bits}
     for name, (fn, args) in kernel_runs(s, bits, tuning, qs, states, logits).items():
-        host = _timed(fn, args, repeats=repeats)
-        device = device_seconds(fn, args, repeats=repeats)
-        out[name] = (host if device is None else device) / calls * 1e6
-        out["timing"] = "host" if device is None else "gpu"
+        sec, _, out["timing"] = timed_on_gpu(fn, args, repeats=repeats)
+        out[name] = sec / calls * 1e6
     print(f"  kernels alone: {out}", flush=True)
     return out
 
@@ -448,14 +457,10 @@ def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
         if not smoke:
             for name, run in kernel_runs(s, 2, t, qs, states, logits).items():
                 runs[i, name] = run
-    timed = timed_interleaved(runs, rounds=rounds)
-    live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
-    device = device_interleaved(live, rounds=rounds)  # {} without a usable GPU trace
-    timed |= device
+    timed, timing = interleaved(runs, rounds=rounds)
     out = []
     for i, t in enumerate(SWEEP):
-        rec = {"shape": s.name, "tuning": dataclasses.asdict(t)}
-        rec["timing"] = "gpu" if device else "host"
+        rec = {"shape": s.name, "tuning": dataclasses.asdict(t), "timing": timing}
         for name in ("us", *KERNEL_COLUMNS):
             v = timed.get((i, name))
             if isinstance(v, float):

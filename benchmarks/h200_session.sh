@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# One device call: the GPU tests, then the benchmark. Run from the repository root; the device
-# machine gets the checkout only (no install), so this copies the package into /tmp/pk with
-# models/ and pallas_kernels/ in place under kivi_jax/, as the wheel lays them out.
+# One device call: the GPU tests, then the benchmark. Run from the repository root (the package
+# is staged into /tmp/pk by stage_package.sh).
 # Usage: bash benchmarks/h200_session.sh OUT_DIR [attention.py args]
 # (SASS needs no GPU: benchmarks/kernel_sass.py.)
 set -u
 out=${1:?out dir}; shift
-rm -rf /tmp/pk && mkdir -p /tmp/pk
-cp -r kivi_jax tests benchmarks pyproject.toml /tmp/pk/
-cp -r models /tmp/pk/kivi_jax/models && cp -r pallas_kernels /tmp/pk/kivi_jax/pallas_kernels
-cd /tmp/pk && export PYTHONPATH=/tmp/pk PYTHONUNBUFFERED=1
+source benchmarks/stage_package.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.mem --format=csv | tee "$out/env.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/env.txt"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu \

@@ -148,16 +148,14 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
             except Exception as e:  # a variant that does not build is reported, not fatal
                 errors[kernel, variant] = f"{type(e).__name__}: {str(e)[:300]}"
     t0 = time.perf_counter()
-    timed = bench.timed_interleaved(runs, rounds=repeats)
-    live = {k: run for k, run in runs.items() if isinstance(timed.get(k), float)}
-    device = bench.device_interleaved(live, rounds=repeats)  # {} without a usable GPU trace
-    timed |= device | errors
+    timed, timing = bench.interleaved(runs, rounds=repeats)
+    timed |= errors
     mhz = clock.median(t0, time.perf_counter())
     out = []
     for (kernel, variant), v in timed.items():
         rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
                "bytes": kernel_bytes(s, bits, kernel), "sm_clock_mhz": mhz,
-               "timing": "gpu" if device else "host"}  # fmt: skip
+               "timing": timing}  # fmt: skip
         if isinstance(v, float):
             rec["us"] = v / calls * 1e6
         else:

@@ -5,10 +5,7 @@
 set -u -o pipefail
 out=$(realpath -m "${1:?out dir}"); shift
 mkdir -p "$out"
-rm -rf /tmp/pk && mkdir -p /tmp/pk
-cp -r kivi_jax tests benchmarks pyproject.toml /tmp/pk/
-cp -r models /tmp/pk/kivi_jax/models && cp -r pallas_kernels /tmp/pk/kivi_jax/pallas_kernels
-cd /tmp/pk && export PYTHONPATH=/tmp/pk PYTHONUNBUFFERED=1
+source benchmarks/stage_package.sh
 # No command buffers (CUDA graphs): each kernel is its own launch.
 export XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false
 command -v ncu > /dev/null || export PATH="$PATH:$(ls -d /opt/nvidia/nsight-compute/* | tail -1)"

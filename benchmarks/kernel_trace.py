@@ -18,7 +18,6 @@ import collections
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,13 +33,7 @@ def trace(fn, args, *, repeats: int) -> dict:
     jax.block_until_ready(fn(*args))  # compiles
     first_call_s = time.perf_counter() - t0
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(repeats):
-            jax.block_until_ready(fn(*args))
-            time.sleep(0.005)  # bench.split_runs splits runs at gaps over 2 ms
-        jax.profiler.stop_trace()
-        runs = bench.split_runs(bench.gpu_kernels(d))
+    runs = bench.traced_runs({0: (fn, args)}, rounds=repeats)
     if len(runs) != repeats:
         raise RuntimeError(f"the GPU trace holds {len(runs)} runs, not {repeats}")
     per_name = collections.defaultdict(list)
