@@ -15,6 +15,9 @@ at most about twice as far from the float32 reference as a plain implementation 
 its operands (query, keys, probabilities, values) to that dtype, plus a few units of roundoff
 of the values' scale. Both references read the same dequantized state
 (kivi_jax.cache.dequantized_heads_major), so quantization error never enters the comparison.
+With `value_parts=1` (one int8 part per value weight, ~8 bits against the largest of a set)
+the same bound holds for bfloat16 queries, whose plain implementation rounds the
+probabilities to 8 bits too.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _byte_transpose,
     _dp4a,
     _field_mask,
+    _int8_parts,
+    _int8_unit,
+    _join_parts,
     _pack_bytes,
+    _parts_unit,
     _words,
     quantize_query,
 )
@@ -96,6 +103,21 @@ def test_dp4a_is_the_byte_dot_product(rng):
     )
     expected = c + (a.astype(np.int64) * b.astype(np.int64)).sum(axis=1)
     np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize(("n", "bound"), [(1, 254), (2, 64516)])
+def test_int8_parts_reconstruct_within_their_bound(rng, n, bound):
+    """n int8 parts of x against unit = max|x| / 127: unit / 254**(n-1) * (254**(n-1) hi + ...)
+    is within max|x| / 254 (n = 1) or / 64516 (n = 2) of x; a set below 1e-30 gives zeros."""
+    x = rng.normal(size=(64, 32)).astype(np.float32) * np.logspace(-3, 3, 32, dtype=np.float32)
+    amax = np.abs(x).max(axis=0)
+    unit = _int8_unit(jnp.asarray(amax))
+    parts = _int8_parts(jnp.asarray(x), unit, n)
+    assert len(parts) == n and all(np.abs(np.asarray(p)).max() <= 127 for p in parts)
+    rebuilt = np.asarray(_join_parts(parts), np.float64) * np.asarray(unit / _parts_unit(n))
+    assert np.all(np.abs(rebuilt - x) <= amax / bound * 1.001)
+    tiny = _int8_parts(jnp.full((4,), 1e-31), _int8_unit(jnp.float32(1e-31)), n)
+    assert not any(np.asarray(p).any() for p in tiny)
 
 
 def test_query_parts_reconstruct_the_folded_query(rng):
@@ -259,6 +281,7 @@ def test_random_layout_state_interpret(rng):
         ),
         GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2),
         GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
+        GpuTuning(value_parts=1, value_quads=4, value_warps=2, num_splits=3),
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
@@ -303,6 +326,8 @@ def test_bad_tunings_are_named():
         GpuTuning(query_program_groups=0)
     with pytest.raises(ValueError, match="value_chain=128: at most 64"):
         GpuTuning(value_chain=128)
+    with pytest.raises(ValueError, match="value_parts must be 1 or 2"):
+        GpuTuning(value_parts=3)
     assert GpuTuning(num_splits=None).num_splits is None
 
 
@@ -347,6 +372,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
         GpuTuning(
             score_rows=8, score_slices=2, score_program_groups=4, value_quads=4, num_splits=7
         ),
+        GpuTuning(value_parts=1),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning):

@@ -47,11 +47,9 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 2.68x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.03x; measured with GQA heads still unrolled in
-one value program, which for these MHA heads builds the same value kernel). With GQA every
-query head has its own score and value programs, which read the KV head's words in turn
-(through L2).
+Measured on an H200 (docs/performance.md, GPU time): 3.04x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.21x). With GQA every query head has its own
+score and value programs, which read the KV head's words in turn (through L2).
 """
 
 from __future__ import annotations
@@ -90,12 +88,20 @@ class GpuTuning:
       is the largest weight among those 4 * value_chain tokens).
     prefetch: tiles whose loads are issued ahead of the one being computed (score and value
       kernels).
-    num_splits: value-kernel token splits per (sequence, query head); None aims at
-      target_programs programs.
+    value_parts: int8 parts that carry each value weight p_t s_t: 2 (error at most 1/64516 of
+      the largest weight of its chain, finer than bfloat16) or 1 (at most 1/254 of it: about
+      bfloat16's step for the largest weight, coarser for the rest; half the value kernel's
+      integer dot products). The folded query always has 2 parts (with 1, in a local build,
+      keys' outlier channels left the others too coarse: 26 times the error of bfloat16
+      rounding).
+    num_splits: value-kernel token splits per (sequence, query head); None: the largest power
+      of two that keeps the programs at most target_programs.
 
-    The score and query defaults are among the fastest of the H200 sweeps at Llama-2-7B heads
-    (within the timing spread of the fastest), picked for their registers; the value
-    defaults (4 warps x 8 quads each, chains of 2) were not swept (docs/performance.md).
+    The defaults are among the fastest of the H200 sweeps at Llama-2-7B heads (within the
+    timing spread of the fastest; docs/performance.md): one-warp programs for keys and
+    values (the value kernel's layout conversions are then shuffles), loads one tile ahead
+    (two ran the score and value kernels 14-30% slower: registers), value chains of 2 (4
+    spill).
     """
 
     score_rows: int = 16
@@ -104,12 +110,13 @@ class GpuTuning:
     score_warps: int = 1
     query_program_groups: int = 16
     query_warps: int = 4
-    value_quads: int = 32
+    value_quads: int = 8
     value_chain: int = 2
-    value_warps: int = 4
-    prefetch: int = 2
+    value_warps: int = 1
+    prefetch: int = 1
+    value_parts: int = 2
     num_splits: int | None = None
-    target_programs: int = 4 * 132
+    target_programs: int = 8 * 132
     num_stages: int = 2
 
     def __post_init__(self):
@@ -122,6 +129,8 @@ class GpuTuning:
         for name in ("score_warps", "value_warps", "query_warps", "score_slices"):
             if getattr(self, name) & (getattr(self, name) - 1):
                 raise ValueError(f"GpuTuning.{name} must be a power of two")
+        if self.value_parts not in (1, 2):
+            raise ValueError(f"GpuTuning.value_parts must be 1 or 2, got {self.value_parts}")
         if self.value_chain > _MAX_CHAIN:
             raise ValueError(
                 f"GpuTuning.value_chain={self.value_chain}: at most {_MAX_CHAIN} (the chained "
@@ -301,13 +310,30 @@ def _int8_unit(amax):
     return jnp.where(amax > _TINY, amax / _Q_HI, 1.0)
 
 
-def _int8_parts(x, unit):
-    """(hi, lo) int32 in [-127, 127] with x = unit * (hi + lo / 254) + e, |e| <= 127 unit / 64516,
-    for |x| <= 127 unit."""
+def _int8_parts(x, unit, n: int):
+    """n int32 parts in [-127, 127], for |x| <= 127 unit: (hi,) with x = unit * hi + e,
+    |e| <= unit / 2 = 127 unit / 254 (n = 1), or (hi, lo) with x = unit * (hi + lo / 254) + e,
+    |e| <= 127 unit / 64516 (n = 2)."""
     u = x * (1.0 / unit)  # |u| <= 127 (to within rounding)
     hi = jnp.floor(u + 0.5)
+    if n == 1:
+        return (hi.astype(jnp.int32),)
     lo = jnp.floor((u - hi) * _Q_LO + 0.5)  # |u - hi| <= 1/2
     return hi.astype(jnp.int32), lo.astype(jnp.int32)
+
+
+def _parts_unit(n: int) -> int:
+    """What the unit of `_int8_parts` is divided by to weigh the last of n parts."""
+    return _Q_LO ** (n - 1)
+
+
+def _join_parts(sums):
+    """Integer sums of each part (hi first) -> sum_i 254**(n-1-i) sums_i, in units of the last
+    part (exact in int32 within the bounds of `_MAX_CHAIN` and the score kernel's rows)."""
+    total = sums[0]
+    for x in sums[1:]:
+        total = total * _Q_LO + x
+    return total
 
 
 def _query_kernel(
@@ -326,10 +352,9 @@ def _query_kernel(
         qk = q * scale  # [NG, W, 4]: q_d s_gd
         amax = jnp.max(jnp.max(jnp.abs(qk), axis=2), axis=1)  # [NG]
         unit = _int8_unit(amax)
-        hi, lo = _int8_parts(qk, unit[:, None, None])
-        for part, x in enumerate((hi, lo)):
+        for part, x in enumerate(_int8_parts(qk, unit[:, None, None], 2)):
             q8_ref[h, :, part, :] = jnp.sum((x & 0xFF) << byte_shift, axis=2)
-        cb_ref[h, 0, :] = unit / _Q_LO
+        cb_ref[h, 0, :] = unit / _parts_unit(2)
         cb_ref[h, 1, :] = jnp.sum(jnp.sum(q * zero, axis=2), axis=1)
 
 
@@ -421,7 +446,7 @@ def _score_kernel(
                 x = words[s] & _field_mask(j, bits)  # c * 2**(bits*j) in every byte
                 for part in range(2):
                     acc[part] = _dp4a(x, q8[part][s], acc[part], interpret=interpret)
-            total = jnp.sum(acc[0] * _Q_LO + acc[1], axis=2)  # [n1, GB]
+            total = jnp.sum(_join_parts(acc), axis=2)  # [n1, GB]
             scale = (coef * 2.0 ** (-bits * j))[:, None]
             sc.append(total.astype(jnp.float32) * scale + bias[:, None])
             m = jnp.maximum(m, jnp.where(valid, sc[j], _NEG_INIT))
@@ -447,6 +472,7 @@ def _value_kernel(
     residual_length: int,
     quads: int,
     chain: int,
+    parts: int,
     tokens_per_split: int,
     prefetch: int,
     interpret: bool,
@@ -489,24 +515,27 @@ def _value_kernel(
         # The weights as int8 parts per quad and channel group, against the largest among the
         # tile's 4 * chain tokens of that quad position (no data leaves the thread).
         unit = _int8_unit(functools.reduce(jnp.maximum, [jnp.abs(x) for ws in w for x in ws]))
-        parts = []  # parts[c] = (hi, lo) words [quads, n_ch, wpg], token a's part in byte a
+        packed = []  # packed[c][i]: words [quads, n_ch, wpg], token a's part i in byte a
         for ws in w:
-            hi_lo = [_int8_parts(x, unit) for x in ws]
-            packed = [_pack_bytes([x[part] for x in hi_lo], interpret=interpret) for part in (0, 1)]
-            parts.append([jnp.broadcast_to(x[..., None], shape) for x in packed])
-        # Integer dot products over the 4 tokens of each quad, chained over the sub-tiles.
-        sums = [[jnp.zeros(shape, jnp.int32) for _ in (0, 1)] for _ in range(4 * vpb)]
-        for c, sub in enumerate(tile):
-            tokens = _byte_transpose([words for words, *_ in sub], interpret=interpret)
-            for r in range(4):
-                for j in range(vpb):
-                    x = tokens[r] & _field_mask(j, bits)  # c * 2**(bits*j) of 4 tokens
-                    f = r * vpb + j
-                    for i in (0, 1):  # hi, lo
-                        sums[f][i] = _dp4a(x, parts[c][i], sums[f][i], interpret=interpret)
-        coef = (unit / _Q_LO)[..., None]
-        for f, (s_hi, s_lo) in enumerate(sums):
-            acc[f] = acc[f] + (s_hi * _Q_LO + s_lo).astype(jnp.float32) * coef
+            by_token = [_int8_parts(x, unit, parts) for x in ws]
+            packed.append([])
+            for i in range(parts):
+                x = _pack_bytes([part[i] for part in by_token], interpret=interpret)
+                packed[-1].append(jnp.broadcast_to(x[..., None], shape))
+        # Integer dot products over the 4 tokens of each quad, chained over the sub-tiles, one
+        # field at a time (so that only one field's int32 sums are live), then scaled into
+        # float32.
+        tokens = [_byte_transpose([wd for wd, *_ in sub], interpret=interpret) for sub in tile]
+        coef = (unit / _parts_unit(parts))[..., None]
+        for r in range(4):
+            for j in range(vpb):
+                sums = [jnp.zeros(shape, jnp.int32) for _ in range(parts)]  # hi first
+                for c in range(chain):
+                    x = tokens[c][r] & _field_mask(j, bits)  # c * 2**(bits*j) of 4 tokens
+                    for i in range(parts):
+                        sums[i] = _dp4a(x, packed[c][i], sums[i], interpret=interpret)
+                f = r * vpb + j
+                acc[f] = acc[f] + _join_parts(sums).astype(jnp.float32) * coef
         return tuple(acc), pz, ls
 
     carry = (
@@ -594,7 +623,10 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     if tuning.num_splits is not None:
         S = max(1, min(tuning.num_splits, n_steps))
     else:
-        S = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
+        # A power of two: at 8 x 32k (256 rows) 5 splits, 1280 one-warp programs, ran 14%
+        # slower than 4 or 8 (benchmarks/results/value_occupancy/sweep_splits.md).
+        cap = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
+        S = 1 << (cap.bit_length() - 1)
     steps_per_split = pl.cdiv(n_steps, S)
     S = pl.cdiv(n_steps, steps_per_split)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
@@ -605,6 +637,7 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
             residual_length=residual_length,
             quads=quads,
             chain=chain,
+            parts=tuning.value_parts,
             tokens_per_split=steps_per_split * step,
             prefetch=tuning.prefetch,
             interpret=interpret,
