@@ -428,47 +428,67 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     return out
 
 
-# The default tiles before the score kernel moved to integer dot products (2026-11-30, third
-# session; with score_slices=1 the score kernel keeps that kernel's thread layout).
-PREVIOUS_DEFAULT = GpuTuning(score_rows=8, score_slices=1)
+# The default tiles of the fourth round (2026-11-30, before one-warp value programs and
+# prefetch 1; its results are in benchmarks/results/idp4a_values/).
+PREVIOUS_DEFAULT = GpuTuning(value_quads=32, value_warps=4, prefetch=2, target_programs=4 * 132)
 # Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
 SWEEP = [
     GpuTuning(),
-    GpuTuning(value_chain=1),
-    GpuTuning(value_chain=4),
-    GpuTuning(value_chain=4, prefetch=1),
-    GpuTuning(value_quads=16, value_warps=2),
-    GpuTuning(value_quads=64, value_warps=8),
-    GpuTuning(value_quads=64, value_chain=1),
+    GpuTuning(num_splits=4),
+    GpuTuning(num_splits=8),
+    GpuTuning(value_parts=1),
+    GpuTuning(prefetch=2),
 ]
+# Kernel names in the GPU trace -> the sweep's per-kernel columns.
+KERNEL_NAMES = {
+    "kivi_query": "query_kernel_us",
+    "kivi_scores": "score_kernel_us",
+    "kivi_values": "value_kernel_us",
+}
+
+
+def kernel_split(runs: dict, *, rounds: int) -> dict:
+    """{(entry, column): median seconds per run} of each KIVI kernel inside each entry's jit
+    (runs: entry -> (fn, args), already warm), from one trace of `rounds` interleaved rounds;
+    {} without a usable GPU trace."""
+    order = list(runs)
+    traced = traced_runs(runs, rounds=rounds)
+    if len(traced) != rounds * len(order):
+        return {}
+    per = {}
+    for i, run in enumerate(traced):
+        for kernel, column in KERNEL_NAMES.items():
+            busy = sum(t1 - t0 for name, t0, t1 in run if kernel in name) * 1e-9
+            per.setdefault((order[i % len(order)], column), []).append(busy)
+    return {k: statistics.median(v) for k, v in per.items()}
 
 
 def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
-    """Times KIVI-2 on one shape under each SWEEP entry, the whole step and (on a GPU) each
-    kernel alone, all entries interleaved round by round (GPU time from a trace of further
-    interleaved rounds; host time without a GPU)."""
+    """Times KIVI-2 on one shape under each SWEEP entry, all entries interleaved round by
+    round (GPU time from a trace of further interleaved rounds; host time without a GPU),
+    and (on a GPU) each kernel's share of the step, from a third trace."""
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, 2)
-    logits = random_logits(key, s, len(states))
-    runs = {}
-    for i, t in enumerate(SWEEP):
-        runs[i, "us"] = (_many_calls(kivi_step(2, t, interpret=smoke), qs, states), (qs, states))
-        if not smoke:
-            for name, run in kernel_runs(s, 2, t, qs, states, logits).items():
-                runs[i, name] = run
+    runs = {
+        i: (_many_calls(kivi_step(2, t, interpret=smoke), qs, states), (qs, states))
+        for i, t in enumerate(SWEEP)
+    }
     timed, timing = interleaved(runs, rounds=rounds)
+    split = kernel_split({i: r for i, r in runs.items() if isinstance(timed.get(i), float)},
+                         rounds=rounds)  # fmt: skip
     out = []
     for i, t in enumerate(SWEEP):
         rec = {"shape": s.name, "tuning": dataclasses.asdict(t), "timing": timing}
-        for name in ("us", *KERNEL_COLUMNS):
-            v = timed.get((i, name))
-            if isinstance(v, float):
-                rec[name] = v / calls * 1e6
-            elif v is not None:
-                rec.setdefault("error", {})[name] = v
-        if "us" in rec:
+        v = timed.get(i)
+        if isinstance(v, float):
+            rec["us"] = v / calls * 1e6
             rec["pct_peak"] = 100 * kivi_bytes(s, 2) / (rec["us"] * 1e-6) / peak
+        elif v is not None:
+            rec["error"] = v
+        for column in KERNEL_COLUMNS:
+            if (i, column) in split:
+                rec[column] = split[i, column] / calls * 1e6
         out.append(rec)
         print(f"  sweep {t}: {rec}", flush=True)
     return out
@@ -536,9 +556,9 @@ def write_markdown(result: dict, path: Path) -> None:
             "## KIVI-2 tunings",
             "",
             "All entries timed interleaved (one run of each per "
-            "round, median over the rounds), the kernels alone on random logits; the score "
-            "kernel's time includes the query kernel. GPU time from a trace of further "
-            "interleaved rounds (host time where the records' `timing` says so).",
+            "round, median over the rounds). GPU time from a trace of further interleaved "
+            "rounds (host time where the records' `timing` says so); each kernel's time is "
+            "its share of the step, from a third trace (GPU only).",
             "",
         ]
         lines.append(
@@ -596,6 +616,7 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
     p.add_argument("--deadline-s", type=float, default=None, help="stop adding rows after this")
+    p.add_argument("--tuning", type=json.loads, default={}, help="GpuTuning fields (JSON)")
     args = p.parse_args(argv)
     shapes = SHAPES
     if args.smoke:
@@ -619,7 +640,7 @@ def main(argv=None) -> None:
         "residual_length": RESIDUAL,
         "rows": [],
     }
-    tuning = GpuTuning()
+    tuning = GpuTuning(**args.tuning)
     if args.sweep:
         s0 = (
             next(s for s in shapes if s.batch == 8 and s.context == 32768)

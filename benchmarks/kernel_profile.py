@@ -15,6 +15,7 @@ writes OUT_DIR/profile.ncu-rep, the details page as text and the raw metrics as 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,9 +30,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["Llama-2-7B 8x32k"])
     ap.add_argument("--bits", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--tuning", type=json.loads, default={}, help="GpuTuning fields as JSON")
     args = ap.parse_args(argv)
     shapes = {s.name: s for s in bench.SHAPES}
-    tuning = GpuTuning()
+    tuning = GpuTuning(**args.tuning)
     key = jax.random.key(3)
     for name in args.shapes:
         s = shapes[name]

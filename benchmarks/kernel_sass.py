@@ -33,10 +33,8 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tile
 CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (timed on the H200)
     (GpuTuning(), 2, 1),
     (GpuTuning(), 4, 1),
-    (GpuTuning(), 2, 4),
     (PREVIOUS_DEFAULT, 2, 1),
     (PREVIOUS_DEFAULT, 4, 1),
-    (PREVIOUS_DEFAULT, 2, 4),
 ]
 
 
