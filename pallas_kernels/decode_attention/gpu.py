@@ -95,13 +95,13 @@ class GpuTuning:
       keys' outlier channels left the others too coarse: 26 times the error of bfloat16
       rounding).
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
-      of two that keeps the programs at most target_programs.
+      of two at or below ceil(target_programs / (batch x query heads)).
 
     The defaults are among the fastest of the H200 sweeps at Llama-2-7B heads (within the
     timing spread of the fastest; docs/performance.md): one-warp programs for keys and
     values (the value kernel's layout conversions are then shuffles), loads one tile ahead
-    (two ran the score and value kernels 14-30% slower: registers), value chains of 2 (4
-    spill).
+    (two ran the score and value kernels 13-17% slower, with 221 and 255 registers instead of
+    128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower).
     """
 
     score_rows: int = 16
@@ -623,8 +623,8 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     if tuning.num_splits is not None:
         S = max(1, min(tuning.num_splits, n_steps))
     else:
-        # A power of two: at 8 x 32k (256 rows) 5 splits, 1280 one-warp programs, ran 14%
-        # slower than 4 or 8 (benchmarks/results/value_occupancy/sweep_splits.md).
+        # A power of two: at 8 x 32k (256 rows) 5 splits ran the value kernel 14% slower than
+        # 4 or 8 (the step 6%; benchmarks/results/value_occupancy/sweep_splits.md).
         cap = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
         S = 1 << (cap.bit_length() - 1)
     steps_per_split = pl.cdiv(n_steps, S)
