@@ -431,13 +431,18 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 # The default tiles of the fourth round (2026-11-30, before one-warp value programs and
 # prefetch 1; its results are in benchmarks/results/idp4a_values/).
 PREVIOUS_DEFAULT = GpuTuning(value_quads=32, value_warps=4, prefetch=2, target_programs=4 * 132)
-# Tunings timed by --sweep (KIVI-2, Llama-2-7B 8x32k); the first is the default.
+# Tunings timed by --sweep (Llama-2-7B 8x32k, --sweep-bits); the first is the default.
+# Candidates after the fifth round (registers from local builds,
+# benchmarks/results/value_occupancy/local_builds.md): value chains of 1 (128 registers
+# instead of 166, KIVI-4 instead of 225, for ~15% more instructions per code), one key group
+# per score iteration at 2 bits (72 registers instead of 128, 1.80 instructions per code
+# instead of 1.37).
 SWEEP = [
     GpuTuning(),
-    GpuTuning(num_splits=4),
-    GpuTuning(num_splits=8),
+    GpuTuning(value_chain=1),
     GpuTuning(value_parts=1),
-    GpuTuning(prefetch=2),
+    GpuTuning(score_rows=8),
+    GpuTuning(score_rows=8, value_chain=1),
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {
@@ -463,15 +468,15 @@ def kernel_split(runs: dict, *, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in per.items()}
 
 
-def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
-    """Times KIVI-2 on one shape under each SWEEP entry, all entries interleaved round by
+def sweep(s: Shape, bits: int, *, calls, rounds, peak, smoke=False) -> list[dict]:
+    """Times KIVI-`bits` on one shape under each SWEEP entry, all entries interleaved round by
     round (GPU time from a trace of further interleaved rounds; host time without a GPU),
     and (on a GPU) each kernel's share of the step, from a third trace."""
     key = jax.random.key(1)
     qs = _queries(key, s, calls)
-    states = kivi_states(key, s, 2)
+    states = kivi_states(key, s, bits)
     runs = {
-        i: (_many_calls(kivi_step(2, t, interpret=smoke), qs, states), (qs, states))
+        i: (_many_calls(kivi_step(bits, t, interpret=smoke), qs, states), (qs, states))
         for i, t in enumerate(SWEEP)
     }
     timed, timing = interleaved(runs, rounds=rounds)
@@ -479,11 +484,11 @@ def sweep(s: Shape, *, calls, rounds, peak, smoke=False) -> list[dict]:
                          rounds=rounds)  # fmt: skip
     out = []
     for i, t in enumerate(SWEEP):
-        rec = {"shape": s.name, "tuning": dataclasses.asdict(t), "timing": timing}
+        rec = {"shape": s.name, "bits": bits, "tuning": dataclasses.asdict(t), "timing": timing}
         v = timed.get(i)
         if isinstance(v, float):
             rec["us"] = v / calls * 1e6
-            rec["pct_peak"] = 100 * kivi_bytes(s, 2) / (rec["us"] * 1e-6) / peak
+            rec["pct_peak"] = 100 * kivi_bytes(s, bits) / (rec["us"] * 1e-6) / peak
         elif v is not None:
             rec["error"] = v
         for column in KERNEL_COLUMNS:
@@ -553,7 +558,7 @@ def write_markdown(result: dict, path: Path) -> None:
     if result.get("sweep"):
         lines += [
             "",
-            "## KIVI-2 tunings",
+            "## Tunings",
             "",
             "All entries timed interleaved (one run of each per "
             "round, median over the rounds). GPU time from a trace of further interleaved "
@@ -562,15 +567,16 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
         ]
         lines.append(
-            "| shape | tuning | µs | % of peak | query kernel µs | score kernel µs "
+            "| shape | bits | tuning | µs | % of peak | query kernel µs | score kernel µs "
             "| value kernel µs |"
         )
-        lines.append("|---|---|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
             alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in KERNEL_COLUMNS)
-            lines.append(f"| {r['shape']} | {changed or 'default'} | {us} | {alone} |")
+            bits = r.get("bits", 2)  # sweeps before the fifth round's tools: KIVI-2
+            lines.append(f"| {r['shape']} | {bits} | {changed or 'default'} | {us} | {alone} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -611,7 +617,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--peak-gib", type=float, default=8.0)
     p.add_argument("--only", default=None, help="substring of shape names to run")
-    p.add_argument("--sweep", action="store_true", help="also sweep KIVI-2 tunings at 8x32k")
+    p.add_argument("--sweep", action="store_true", help="also sweep tunings at 8x32k")
+    p.add_argument("--sweep-bits", type=int, nargs="+", default=[2], help="KIVI bits to sweep")
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
@@ -648,9 +655,13 @@ def main(argv=None) -> None:
             else shapes[0]
         )
         print(f"sweep on {s0.name}", flush=True)
-        result["sweep"] = sweep(
-            s0, calls=args.calls, rounds=args.repeats, peak=peak, smoke=args.smoke
-        )
+        result["sweep"] = [
+            rec
+            for bits in args.sweep_bits
+            for rec in sweep(
+                s0, bits, calls=args.calls, rounds=args.repeats, peak=peak, smoke=args.smoke
+            )
+        ]
     if args.kernels and not args.smoke:
         result["kernels"] = [
             time_kernels(s, bits, calls=args.calls, repeats=args.repeats, tuning=tuning)
