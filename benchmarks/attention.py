@@ -436,13 +436,16 @@ PREVIOUS_DEFAULT = GpuTuning(value_quads=32, value_warps=4, prefetch=2, target_p
 # benchmarks/results/value_occupancy/local_builds.md): value chains of 1 (128 registers
 # instead of 166, KIVI-4 instead of 225, for ~15% more instructions per code), one key group
 # per score iteration at 2 bits (72 registers instead of 128, 1.80 instructions per code
-# instead of 1.37).
+# instead of 1.37); the score kernel folding the query itself (no query kernel, no 67 MB
+# round trip; 2.46 instructions per key code instead of 1.37, 128 registers).
 SWEEP = [
     GpuTuning(),
     GpuTuning(value_chain=1),
     GpuTuning(value_parts=1),
     GpuTuning(score_rows=8),
     GpuTuning(score_rows=8, value_chain=1),
+    GpuTuning(score_folds_query=True),
+    GpuTuning(score_folds_query=True, value_chain=1),
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {

@@ -293,6 +293,28 @@ def test_kernel_variants_interpret(rng, tuning):
     _check(q, cache, interpret=True, tuning=tuning)
 
 
+@pytest.mark.parametrize(("k_bits", "n_rep", "dtype"), [(2, 2, jnp.bfloat16), (4, 3, jnp.float16)])
+def test_score_kernel_folds_the_query_as_the_query_kernel_does_interpret(rng, k_bits, n_rep, dtype):
+    """score_folds_query=True (the score kernel forms the query's int8 parts itself) gives the
+    output of the query kernel's path to within float32 summation order, and passes _check."""
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=2, D=64, n_rep=n_rep, dtype=dtype, H=2, max_len=384,
+        prompts=[381, 250], steps=3, R=64,
+    )  # fmt: skip
+    outs = [
+        np.asarray(
+            decode_attention_pallas(
+                q, cache, interpret=True, tuning=GpuTuning(score_folds_query=f, num_splits=2)
+            ),
+            np.float32,
+        )
+        for f in (False, True)
+    ]
+    ulp = float(jnp.finfo(dtype).eps) * max(float(np.abs(outs[0]).max()), 1.0)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=2 * ulp)
+    _check(q, cache, interpret=True, tuning=GpuTuning(score_folds_query=True, num_splits=2))
+
+
 def test_dispatch(rng):
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=128,
@@ -329,6 +351,8 @@ def test_bad_tunings_are_named():
         GpuTuning(value_chain=128)
     with pytest.raises(ValueError, match="value_parts must be 1 or 2"):
         GpuTuning(value_parts=3)
+    with pytest.raises(ValueError, match="score_folds_query must be a bool"):
+        GpuTuning(score_folds_query=1)
     assert GpuTuning(num_splits=None).num_splits is None
 
 
@@ -374,6 +398,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
             score_rows=8, score_slices=2, score_program_groups=4, value_quads=4, num_splits=7
         ),
         GpuTuning(value_parts=1),
+        GpuTuning(score_folds_query=True),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning):

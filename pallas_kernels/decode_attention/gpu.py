@@ -88,6 +88,9 @@ class GpuTuning:
       is the largest weight among those 4 * value_chain tokens).
     prefetch: tiles whose loads are issued ahead of the one being computed (score and value
       kernels).
+    score_folds_query: the score kernel folds the query into each key group itself (reading
+      the key scales and zero points) instead of reading the query kernel's int8 parts
+      (which saves that kernel and its 2 bytes per group channel written and read back).
     value_parts: int8 parts that carry each value weight p_t s_t: 2 (error at most 1/64516 of
       the largest weight of its chain, finer than bfloat16) or 1 (at most 1/254 of it: about
       bfloat16's step for the largest weight, coarser for the rest; half the value kernel's
@@ -115,6 +118,7 @@ class GpuTuning:
     value_warps: int = 1
     prefetch: int = 1
     value_parts: int = 2
+    score_folds_query: bool = False
     num_splits: int | None = None
     target_programs: int = 8 * 132
     num_stages: int = 2
@@ -123,6 +127,10 @@ class GpuTuning:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None and f.name == "num_splits":
+                continue
+            if f.name == "score_folds_query":
+                if not isinstance(v, bool):
+                    raise ValueError(f"GpuTuning.{f.name} must be a bool, got {v!r}")
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
@@ -336,6 +344,26 @@ def _join_parts(sums):
     return total
 
 
+def _fold_query(q, scales, zeros):
+    """The query folded into n key groups' scales, slice by slice: q[s] [1, w, 4] f32 scaled
+    query, scales[s] / zeros[s] [n, w, 4] (channel 4i + r of slice s at [.., i, r]) ->
+    (words, coef [n], bias [n]), words[part][s] int32 [n, w]: the hi (part 0) and lo parts of
+    q_d s_gd for channels 4i..4i+3 in the bytes of word i (see `quantize_query`)."""
+    qk = [x * sc.astype(jnp.float32) for x, sc in zip(q, scales, strict=True)]  # q_d s_gd
+    amax = functools.reduce(
+        jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in qk]
+    )  # [n]
+    unit = _int8_unit(amax)
+    byte_shift = 8 * lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
+    words = [[], []]
+    for x in qk:
+        for part, y in enumerate(_int8_parts(x, unit[:, None, None], 2)):
+            words[part].append(jnp.sum((y & 0xFF) << byte_shift, axis=2))
+    qz = [x * z.astype(jnp.float32) for x, z in zip(q, zeros, strict=True)]  # q_d z_gd
+    bias = functools.reduce(jnp.add, [jnp.sum(jnp.sum(x, axis=2), axis=1) for x in qz])
+    return words, unit / _parts_unit(2), bias
+
+
 def _query_kernel(
     q_ref,  # [n_rep, W, 4]              f32 scaled queries, channel 4w + r at [h, w, r]
     ks_ref,  # [NG, W, 4]                key scales of NG groups
@@ -344,18 +372,12 @@ def _query_kernel(
     cb_ref,  # out [n_rep, 2, NG]        f32 coef and bias per group
 ):
     """The query folded into each key group's scales, as two int8 parts per channel."""
-    n_rep = q_ref.shape[0]
-    scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
-    byte_shift = 8 * lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
-    for h in range(n_rep):
-        q = q_ref[h][None]  # [1, W, 4]
-        qk = q * scale  # [NG, W, 4]: q_d s_gd
-        amax = jnp.max(jnp.max(jnp.abs(qk), axis=2), axis=1)  # [NG]
-        unit = _int8_unit(amax)
-        for part, x in enumerate(_int8_parts(qk, unit[:, None, None], 2)):
-            q8_ref[h, :, part, :] = jnp.sum((x & 0xFF) << byte_shift, axis=2)
-        cb_ref[h, 0, :] = unit / _parts_unit(2)
-        cb_ref[h, 1, :] = jnp.sum(jnp.sum(q * zero, axis=2), axis=1)
+    for h in range(q_ref.shape[0]):
+        words, coef, bias = _fold_query([q_ref[h][None]], [ks_ref[...]], [kz_ref[...]])
+        for part in range(2):
+            q8_ref[h, :, part, :] = words[part][0]
+        cb_ref[h, 0, :] = coef
+        cb_ref[h, 1, :] = bias
 
 
 def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
@@ -400,12 +422,15 @@ def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
 
 def _score_kernel(
     len_ref,  # []                    int32
-    q8_ref,  # [NG, 2, nS, ws]         int32 the query in each group (quantize_query)
-    cb_ref,  # [2, NG]                f32 coef and bias per group
-    kw_ref,  # [NG, GB, nS, ws]       int32 key words: group, token byte, channel quads
-    s_ref,  # out [NG, GB, 2..2]      f32 logits of token g*G + kpb*tb + j (j over the 2s)
-    m_ref,  # out []                  f32 max over this program's quantized keys
-    *,
+    *refs,
+    # (fold_query False) q8_ref [NG, 2, nS, ws] int32, the query in each group (quantize_query),
+    #   cb_ref [2, NG] f32, coef and bias per group;
+    # (fold_query True) q_ref [nS, ws, 4] f32, the scaled query, ks_ref, kz_ref
+    #   [NG, nS, ws, 4], the key scales and zero points, folded here (`_fold_query`);
+    # then kw_ref [NG, GB, nS, ws] int32 key words: group, token byte, channel quads,
+    # out s_ref [NG, GB, 2..2] f32 logits of token g*G + kpb*tb + j (j over the 2s),
+    # out m_ref [] f32 max over this program's quantized keys.
+    fold_query: bool,
     bits: int,
     group_size: int,
     residual_length: int,
@@ -413,8 +438,14 @@ def _score_kernel(
     prefetch: int,
     interpret: bool,
 ):
+    *query_refs, kw_ref, s_ref, m_ref = refs
     NG, GB, nS, ws = kw_ref.shape
     kpb, n1 = 8 // bits, groups_per_iter
+    if fold_query:
+        q_ref, ks_ref, kz_ref = query_refs
+        q = [q_ref[s][None] for s in range(nS)]  # [1, ws, 4] each
+    else:
+        q8_ref, cb_ref = query_refs
     length = len_ref[()]
     qk_groups = (length - length % residual_length) // group_size
     g_base = pl.program_id(2) * NG
@@ -427,15 +458,20 @@ def _score_kernel(
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
-        """Tile k: key words per slice [n1, GB, ws], the query's two parts per slice [n1, ws],
-        coef and bias [n1]."""
+        """Tile k: key words per slice [n1, GB, ws], and either the query's two parts per slice
+        [n1, ws] with coef and bias [n1], or the key scales and zero points per slice
+        [n1, ws, 4]."""
         g = pl.ds(first_group(k), n1)
         words = tuple(kw_ref[g, :, s, :] for s in range(nS))
+        if fold_query:
+            params = tuple(tuple(r[g, s] for s in range(nS)) for r in (ks_ref, kz_ref))
+            return words, params
         q8 = tuple(tuple(q8_ref[g, part, s, :] for s in range(nS)) for part in range(2))
-        return words, q8, (cb_ref[0, g], cb_ref[1, g])
+        return words, (q8, cb_ref[0, g], cb_ref[1, g])
 
     def compute(k, tile, m):
-        words, q8, (coef, bias) = tile
+        words, query = tile
+        q8, coef, bias = _fold_query(q, *query) if fold_query else query
         shape = (n1, GB, ws)
         valid = (g_base + first_group(k) + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
         q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in part] for part in q8]
@@ -566,11 +602,30 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
     P = C // G // NG
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
-    q8, cb = quantize_query(qs, k_scale, k_zero, tuning=tuning, interpret=interpret)
     Hq = H * n_rep
+    kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
+    if tuning.score_folds_query:
+        query_specs = [
+            pl.BlockSpec((None, None, nS, ws, 4), lambda b, h, p: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
+            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
+        ]
+        query_args = [
+            qs.reshape(B, Hq, nS, ws, 4),
+            k_scale.reshape(B, H, C // G, nS, ws, 4),
+            k_zero.reshape(B, H, C // G, nS, ws, 4),
+        ]
+    else:
+        q8, cb = quantize_query(qs, k_scale, k_zero, tuning=tuning, interpret=interpret)
+        query_specs = [
+            pl.BlockSpec((None, None, NG, 2, nS, ws), lambda b, h, p: (b, h, p, 0, 0, 0)),
+            pl.BlockSpec((None, None, 2, NG), lambda b, h, p: (b, h, 0, p)),
+        ]
+        query_args = [q8.reshape(B, Hq, C // G, 2, nS, ws), cb.reshape(B, Hq, 2, C // G)]
     scores, block_max = pl.pallas_call(
         functools.partial(
             _score_kernel,
+            fold_query=tuning.score_folds_query,
             bits=bits,
             group_size=G,
             residual_length=residual_length,
@@ -581,9 +636,8 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
-            pl.BlockSpec((None, None, NG, 2, nS, ws), lambda b, h, p: (b, h, p, 0, 0, 0)),
-            pl.BlockSpec((None, None, 2, NG), lambda b, h, p: (b, h, 0, p)),
-            pl.BlockSpec((None, None, NG, GB, nS, ws), lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)),
+            *query_specs,
+            pl.BlockSpec((None, None, NG, GB, nS, ws), kv),
         ],
         out_specs=[
             pl.BlockSpec((None, None, NG, GB, *twos), lambda b, h, p: (b, h, p, 0, *zeros)),
@@ -600,8 +654,7 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         name="kivi_scores",
     )(
         lengths,
-        q8.reshape(B, Hq, C // G, 2, nS, ws),
-        cb.reshape(B, Hq, 2, C // G),
+        *query_args,
         _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
