@@ -372,8 +372,9 @@ def _query_kernel(
     cb_ref,  # out [n_rep, 2, NG]        f32 coef and bias per group
 ):
     """The query folded into each key group's scales, as two int8 parts per channel."""
+    scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
     for h in range(q_ref.shape[0]):
-        words, coef, bias = _fold_query([q_ref[h][None]], [ks_ref[...]], [kz_ref[...]])
+        words, coef, bias = _fold_query([q_ref[h][None]], [scale], [zero])
         for part in range(2):
             q8_ref[h, :, part, :] = words[part][0]
         cb_ref[h, 0, :] = coef
