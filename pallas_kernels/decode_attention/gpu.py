@@ -36,7 +36,10 @@ folds the query into every key group; the score kernel writes the base-2 logits 
 quantized keys (4 bytes per token and query head) and each program's maximum; XLA forms the
 global max per row with the residual tail; the value kernel then reads the logits once,
 exponentiates against that max and accumulates. The residual tail (at most R tokens per row,
-held in full precision) is a small XLA einsum, merged at the end.
+held in full precision) is a small XLA einsum, merged at the end. With
+``GpuTuning(score_folds_query=True)`` the score kernel folds the query into each tile of key
+groups itself (`_fold_query`, the query kernel's arithmetic) and the query kernel is skipped
+(not yet timed on a GPU).
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
