@@ -180,19 +180,25 @@ def traced_runs(runs: dict, *, rounds: int) -> list[list[tuple[str, int, int]]]:
         return split_runs(gpu_kernels(d))
 
 
-def device_interleaved(runs: dict, *, rounds: int) -> dict:
-    """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
-    runs (name -> (fn, args), already warm), from `traced_runs`; {} without a usable trace."""
+def traced_by_entry(runs: dict, *, rounds: int) -> dict:
+    """{entry: the kernel events of each of its `rounds` runs} from `traced_runs` over runs
+    (name -> (fn, args), already warm); {} without a usable GPU trace."""
     order = list(runs)
     traced = traced_runs(runs, rounds=rounds)
     if len(traced) != rounds * len(order):
         if traced:  # a GPU trace whose runs could not be told apart: say so, use host time
             print(f"GPU trace: {len(traced)} runs for {rounds * len(order)}", file=sys.stderr)
         return {}
-    spans = {name: [] for name in order}
-    for i, r in enumerate(traced):
-        spans[order[i % len(order)]].append((r[-1][2] - r[0][1]) * 1e-9)
-    return {name: statistics.median(t) for name, t in spans.items()}
+    return {name: traced[i :: len(order)] for i, name in enumerate(order)}
+
+
+def device_interleaved(runs: dict, *, rounds: int) -> dict:
+    """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
+    runs (name -> (fn, args), already warm); {} without a usable trace."""
+    return {
+        name: statistics.median((r[-1][2] - r[0][1]) * 1e-9 for r in per_run)
+        for name, per_run in traced_by_entry(runs, rounds=rounds).items()
+    }
 
 
 def measure_read_bandwidth(gib: float = 8.0, repeats: int = 10) -> dict[str, float]:
@@ -459,16 +465,13 @@ def kernel_split(runs: dict, *, rounds: int) -> dict:
     """{(entry, column): median seconds per run} of each KIVI kernel inside each entry's jit
     (runs: entry -> (fn, args), already warm), from one trace of `rounds` interleaved rounds;
     {} without a usable GPU trace."""
-    order = list(runs)
-    traced = traced_runs(runs, rounds=rounds)
-    if len(traced) != rounds * len(order):
-        return {}
-    per = {}
-    for i, run in enumerate(traced):
-        for kernel, column in KERNEL_NAMES.items():
-            busy = sum(t1 - t0 for name, t0, t1 in run if kernel in name) * 1e-9
-            per.setdefault((order[i % len(order)], column), []).append(busy)
-    return {k: statistics.median(v) for k, v in per.items()}
+    return {
+        (entry, column): statistics.median(
+            sum(t1 - t0 for name, t0, t1 in run if kernel in name) * 1e-9 for run in per_run
+        )
+        for entry, per_run in traced_by_entry(runs, rounds=rounds).items()
+        for kernel, column in KERNEL_NAMES.items()
+    }
 
 
 def sweep(s: Shape, bits: int, *, calls, rounds, peak, smoke=False) -> list[dict]:
