@@ -413,11 +413,14 @@ def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> d
     with its arguments."""
     query, scores, values = kernel_steps(bits, tuning, s.kv_heads)
     with_logits = list(zip(states, logits, strict=True))
-    return {
+    runs = {
         "query_kernel_us": (_many_calls(query, qs, states), (qs, states)),
         "score_kernel_us": (_many_calls(scores, qs, states), (qs, states)),
         "value_kernel_us": (_many_calls(values, qs, with_logits), (qs, with_logits)),
     }
+    if tuning.score_folds_query:  # no query kernel in the step
+        del runs["query_kernel_us"]
+    return runs
 
 
 def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
@@ -436,22 +439,26 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 
 # The default tiles of the fourth round (2026-11-30, before one-warp value programs and
 # prefetch 1; its results are in benchmarks/results/idp4a_values/).
-PREVIOUS_DEFAULT = GpuTuning(value_quads=32, value_warps=4, prefetch=2, target_programs=4 * 132)
+PREVIOUS_DEFAULT = GpuTuning(
+    score_slices=4,
+    value_quads=32,
+    value_warps=4,
+    prefetch=2,
+    score_folds_query=False,
+    target_programs=4 * 132,
+)
+# The fifth round's default (benchmarks/results/value_occupancy/), before the per-bit-width
+# defaults of the sixth (benchmarks/results/auto_defaults/).
+FIFTH_DEFAULT = GpuTuning(score_slices=4, value_quads=8, score_folds_query=False)
 # Tunings timed by --sweep (Llama-2-7B 8x32k, --sweep-bits); the first is the default.
-# Candidates after the fifth round (registers from local builds,
-# benchmarks/results/value_occupancy/local_builds.md): value chains of 1 (128 registers
-# instead of 166, KIVI-4 instead of 225, for ~15% more instructions per code), one key group
-# per score iteration at 2 bits (72 registers instead of 128, 1.80 instructions per code
-# instead of 1.37); the score kernel folding the query itself (no query kernel, no 67 MB
-# round trip; 2.46 instructions per key code instead of 1.37, 128 registers).
+# After the sixth round: the fifth round's default against the per-bit-width defaults, and
+# the next candidates (one int8 part per value weight; 32 key groups per score program, the
+# fastest KIVI-4 entry of the sixth round's sweep, within its spread).
 SWEEP = [
     GpuTuning(),
-    GpuTuning(value_chain=1),
+    FIFTH_DEFAULT,
     GpuTuning(value_parts=1),
-    GpuTuning(score_rows=8),
-    GpuTuning(score_rows=8, value_chain=1),
-    GpuTuning(score_folds_query=True),
-    GpuTuning(score_folds_query=True, value_chain=1),
+    GpuTuning(score_program_groups=32),
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {
@@ -461,21 +468,37 @@ KERNEL_NAMES = {
 }
 
 
-def kernel_split(runs: dict, *, rounds: int) -> dict:
-    """{(entry, column): median seconds per run} of each KIVI kernel inside each entry's jit
-    (runs: entry -> (fn, args), already warm), from one trace of `rounds` interleaved rounds;
-    {} without a usable GPU trace."""
+# The sweep's split of a step: each KIVI kernel, every other kernel (XLA's fusions around
+# them), and the GPU's idle time between kernels.
+SPLIT_COLUMNS = (*KERNEL_COLUMNS, "other_kernels_us", "idle_us")
+
+
+def _step_split(run: list[tuple[str, int, int]]) -> dict:
+    """{column of SPLIT_COLUMNS or other kernel's name: seconds} of one traced run."""
+    busy = lambda events: sum(t1 - t0 for _, t0, t1 in events) * 1e-9
+    kivi = {c: [e for e in run if k in e[0]] for k, c in KERNEL_NAMES.items()}
+    other = [e for e in run if not any(k in e[0] for k in KERNEL_NAMES)]
     return {
-        (entry, column): statistics.median(
-            sum(t1 - t0 for name, t0, t1 in run if kernel in name) * 1e-9 for run in per_run
-        )
-        for entry, per_run in traced_by_entry(runs, rounds=rounds).items()
-        for kernel, column in KERNEL_NAMES.items()
+        **{c: busy(events) for c, events in kivi.items()},
+        "other_kernels_us": busy(other),
+        "idle_us": (run[-1][2] - run[0][1]) * 1e-9 - busy(run),
+        **{name: busy([e for e in other if e[0] == name]) for name in {e[0] for e in other}},
     }
 
 
-def sweep(s: Shape, bits: int, *, calls, rounds, peak, smoke=False) -> list[dict]:
-    """Times KIVI-`bits` on one shape under each SWEEP entry, all entries interleaved round by
+def kernel_split(runs: dict, *, rounds: int) -> dict:
+    """{entry: {column: median seconds per run}} of each entry's step split (`_step_split`:
+    SPLIT_COLUMNS and each other kernel by name) inside its jit (runs: entry -> (fn, args),
+    already warm), from one trace of `rounds` interleaved rounds; {} without a GPU trace."""
+    out = {}
+    for entry, per_run in traced_by_entry(runs, rounds=rounds).items():
+        splits = [_step_split(r) for r in per_run]
+        out[entry] = {c: statistics.median(x.get(c, 0.0) for x in splits) for c in splits[0]}
+    return out
+
+
+def sweep(s: Shape, bits: int, tunings, *, calls, rounds, peak, smoke=False) -> list[dict]:
+    """Times KIVI-`bits` on one shape under each of `tunings`, all entries interleaved round by
     round (GPU time from a trace of further interleaved rounds; host time without a GPU),
     and (on a GPU) each kernel's share of the step, from a third trace."""
     key = jax.random.key(1)
@@ -483,13 +506,13 @@ def sweep(s: Shape, bits: int, *, calls, rounds, peak, smoke=False) -> list[dict
     states = kivi_states(key, s, bits)
     runs = {
         i: (_many_calls(kivi_step(bits, t, interpret=smoke), qs, states), (qs, states))
-        for i, t in enumerate(SWEEP)
+        for i, t in enumerate(tunings)
     }
     timed, timing = interleaved(runs, rounds=rounds)
     split = kernel_split({i: r for i, r in runs.items() if isinstance(timed.get(i), float)},
                          rounds=rounds)  # fmt: skip
     out = []
-    for i, t in enumerate(SWEEP):
+    for i, t in enumerate(tunings):
         rec = {"shape": s.name, "bits": bits, "tuning": dataclasses.asdict(t), "timing": timing}
         v = timed.get(i)
         if isinstance(v, float):
@@ -497,9 +520,11 @@ def sweep(s: Shape, bits: int, *, calls, rounds, peak, smoke=False) -> list[dict
             rec["pct_peak"] = 100 * kivi_bytes(s, bits) / (rec["us"] * 1e-6) / peak
         elif v is not None:
             rec["error"] = v
-        for column in KERNEL_COLUMNS:
-            if (i, column) in split:
-                rec[column] = split[i, column] / calls * 1e6
+        for column, seconds in split.get(i, {}).items():
+            if column in SPLIT_COLUMNS:
+                rec[column] = seconds / calls * 1e6
+            else:
+                rec.setdefault("other_kernels", {})[column] = seconds / calls * 1e6
         out.append(rec)
         print(f"  sweep {t}: {rec}", flush=True)
     return out
@@ -569,20 +594,25 @@ def write_markdown(result: dict, path: Path) -> None:
             "All entries timed interleaved (one run of each per "
             "round, median over the rounds). GPU time from a trace of further interleaved "
             "rounds (host time where the records' `timing` says so); each kernel's time is "
-            "its share of the step, from a third trace (GPU only).",
+            "its share of the step, from a third trace (GPU only); other kernels: XLA's "
+            "around them; idle: the GPU between kernels.",
             "",
         ]
         lines.append(
             "| shape | bits | tuning | µs | % of peak | query kernel µs | score kernel µs "
-            "| value kernel µs |"
+            "| value kernel µs | other kernels µs | idle µs |"
         )
-        lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
-            alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in KERNEL_COLUMNS)
+            alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in SPLIT_COLUMNS)
             bits = r.get("bits", 2)  # sweeps before the fifth round's tools: KIVI-2
             lines.append(f"| {r['shape']} | {bits} | {changed or 'default'} | {us} | {alone} |")
+        for r in result["sweep"]:
+            if r.get("other_kernels") and r["tuning"] == dataclasses.asdict(GpuTuning()):
+                named = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["other_kernels"].items()))
+                lines.append(f"\nOther kernels, KIVI-{r['bits']} default (µs per step): {named}")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -625,6 +655,12 @@ def main(argv=None) -> None:
     p.add_argument("--only", default=None, help="substring of shape names to run")
     p.add_argument("--sweep", action="store_true", help="also sweep tunings at 8x32k")
     p.add_argument("--sweep-bits", type=int, nargs="+", default=[2], help="KIVI bits to sweep")
+    p.add_argument(
+        "--sweep-tunings",
+        type=json.loads,
+        default=None,
+        help="JSON list of GpuTuning fields to sweep instead of SWEEP (the default tuning first)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
@@ -660,12 +696,21 @@ def main(argv=None) -> None:
             if not args.smoke
             else shapes[0]
         )
+        tunings = SWEEP
+        if args.sweep_tunings is not None:
+            tunings = [GpuTuning(), *(GpuTuning(**t) for t in args.sweep_tunings)]
         print(f"sweep on {s0.name}", flush=True)
         result["sweep"] = [
             rec
             for bits in args.sweep_bits
             for rec in sweep(
-                s0, bits, calls=args.calls, rounds=args.repeats, peak=peak, smoke=args.smoke
+                s0,
+                bits,
+                tunings,
+                calls=args.calls,
+                rounds=args.repeats,
+                peak=peak,
+                smoke=args.smoke,
             )
         ]
     if args.kernels and not args.smoke:

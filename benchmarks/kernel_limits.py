@@ -154,7 +154,8 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     out = []
     for (kernel, variant), v in timed.items():
         rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
-               "bytes": kernel_bytes(s, bits, kernel), "sm_clock_mhz": mhz,
+               "bytes": kernel_bytes(s, bits, kernel, tuning.score_folds_query),
+               "sm_clock_mhz": mhz,
                "timing": timing}  # fmt: skip
         if isinstance(v, float):
             rec["us"] = v / calls * 1e6
@@ -165,17 +166,18 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     return out
 
 
-def kernel_bytes(s: bench.Shape, bits: int, kernel: str) -> int:
+def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> int:
     """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
-    the query's int8 parts per group and query head; score kernel (timed with the query kernel
-    it runs first): those, then the codes and the parts again; value kernel: codes, bf16
-    scales and zero points, and the float32 logits of every query head."""
+    the query's int8 parts per group and query head; score kernel: the codes and the scales and
+    zero points where it folds the query itself (folds_query), else (timed with the query
+    kernel it runs first) the query kernel's bytes, then the codes and the parts again; value
+    kernel: codes, bf16 scales and zero points, and the float32 logits of every query head."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
     parts = n_rep * 2 * c * d // bench.GROUP  # the query's two int8 parts per group channel
     per_kernel = {
         "query": params + parts,
-        "score": params + parts + codes + parts,
+        "score": codes + params if folds_query else params + parts + codes + parts,
         "value": codes + params + 4 * c * n_rep,
     }
     return bh * per_kernel[kernel]

@@ -140,7 +140,7 @@ def analyse(
 ) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
     _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
-    quads, chain = value_tiles(tuning, capacity=C)
+    quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles); a
     # score- or value-kernel program serves one query head
     per_thread = {
@@ -178,8 +178,8 @@ def query_kernel(tuning: GpuTuning, workdir: Path, *, D=128, G=32, C=32768) -> d
     """The query kernel (no loop): registers, instructions per thread in all, per key group and
     channel it handles (one query head), barriers and shared-memory loads."""
     groups = min(tuning.query_program_groups, C // G)
-    info, sass = compile_sass(triton_ir(tuning, D=D, C=C, G=G)["query"], tuning.query_warps, 1,
-                              workdir)  # fmt: skip
+    ttir = triton_ir(dataclasses.replace(tuning, score_folds_query=False), D=D, C=C, G=G)["query"]
+    info, sass = compile_sass(ttir, tuning.query_warps, 1, workdir)
     ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
     ops = collections.Counter(opcode(re.sub(r"^@!?U?P\w+\s+", "", t)) for t in ins)
     per_thread = groups * D / (tuning.query_warps * 32)  # group channels per thread

@@ -354,8 +354,11 @@ def test_bad_tunings_are_named(fields, match):
         GpuTuning(**fields)
 
 
-def test_num_splits_may_be_left_to_the_kernel():
-    assert GpuTuning(num_splits=None).num_splits is None
+@pytest.mark.parametrize(("v_bits", "quads"), [(2, 16), (4, 8)])
+def test_value_quads_left_none_take_the_bit_widths_default(v_bits, quads):
+    assert GpuTuning().with_defaults(v_bits=v_bits).value_quads == quads
+    assert GpuTuning().with_defaults(v_bits=v_bits).num_splits is None  # for the value kernel
+    assert GpuTuning(value_quads=4).with_defaults(v_bits=v_bits).value_quads == 4
 
 
 def test_unsupported_configs_are_named():
@@ -400,7 +403,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
             score_rows=8, score_slices=2, score_program_groups=4, value_quads=4, num_splits=7
         ),
         GpuTuning(value_parts=1),
-        GpuTuning(score_folds_query=True),
+        GpuTuning(score_folds_query=False, score_slices=4, value_quads=8),  # the fifth round's
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning):

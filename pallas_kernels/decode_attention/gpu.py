@@ -1,4 +1,4 @@
-"""KIVI decode attention on CUDA cores: query, score and value kernels (Pallas, Triton lowering).
+"""KIVI decode attention on CUDA cores: score and value kernels (Pallas, Triton lowering).
 
 One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_rep``)
 
@@ -13,13 +13,13 @@ each thread on its own registers. Codes are read as int32 words (4 bytes; the ui
 arrays are reinterpreted by an XLA bitcast, no copy).
 
 * Keys (per-channel quantization, ``k = s_d c + z_d`` per group of G tokens):
-  ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The query kernel writes, per group and
-  query head, ``q_d s_d`` as two int8 parts per channel (``coef * (254 hi + lo)``, about 16 bits
-  relative to the group's largest term) and the bias ``sum_d q_d z_d``. A key word holds, in
-  byte r, channel 4w + r of 8 // bits tokens; one AND with a mask repeated in every byte keeps
-  one token's code in each byte (``c * 2**(bits*j)``), and one ``dp4a`` (IDP.4A) multiplies
-  the 4 bytes by 4 int8 query parts and sums them into an exact int32: 4 LOP3 and 8 IDP per
-  16 codes.
+  ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The score kernel forms (`_fold_query`),
+  per group and query head, ``q_d s_d`` as two int8 parts per channel (``coef * (254 hi +
+  lo)``, about 16 bits relative to the group's largest term) and the bias ``sum_d q_d z_d``.
+  A key word holds, in byte r, channel 4w + r of 8 // bits tokens; one AND with a mask
+  repeated in every byte keeps one token's code in each byte (``c * 2**(bits*j)``), and one
+  ``dp4a`` (IDP.4A) multiplies the 4 bytes by 4 int8 query parts and sums them into an exact
+  int32: 4 LOP3 and 8 IDP per 16 codes.
 * Values (per-token quantization, ``v = s_t c + z_t`` per channel group):
   ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``. IDP.4A again, now summing over
   4 tokens: the words of 4 consecutive tokens (a quad) are byte-transposed (8 PRMT), so that
@@ -30,16 +30,17 @@ arrays are reinterpreted by an XLA bitcast, no copy).
   same int32 sums in one iteration (no data leaves the thread); the sums are then scaled into
   per-thread float32 accumulators, reduced over tokens once, at the end of the program.
 
-Three kernels, because the value side needs the softmax weights of every token before it
-starts and per-thread accumulators cannot afford an online-softmax rescale: the query kernel
-folds the query into every key group; the score kernel writes the base-2 logits of the
-quantized keys (4 bytes per token and query head) and each program's maximum; XLA forms the
-global max per row with the residual tail; the value kernel then reads the logits once,
-exponentiates against that max and accumulates. The residual tail (at most R tokens per row,
-held in full precision) is a small XLA einsum, merged at the end. With
-``GpuTuning(score_folds_query=True)`` the score kernel folds the query into each tile of key
-groups itself (`_fold_query`, the query kernel's arithmetic) and the query kernel is skipped
-(not yet timed on a GPU).
+Two kernels, because the value side needs the softmax weights of every token before it
+starts and per-thread accumulators cannot afford an online-softmax rescale: the score kernel
+folds the query into each tile of key groups, writes the base-2 logits of the quantized keys
+(4 bytes per token and query head) and each program's maximum; XLA forms the global max per
+row with the residual tail; the value kernel then reads the logits once, exponentiates
+against that max and accumulates. The residual tail (at most R tokens per row, held in full
+precision) is a small XLA einsum, merged at the end. With
+``GpuTuning(score_folds_query=False)`` a third kernel, the query kernel, folds the query
+into every key group first and the score kernel reads its int8 parts (the default until the
+sixth round: 2 bytes per group channel written and read back, for less arithmetic in the
+score loop).
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
@@ -50,9 +51,10 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.04x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.21x). With GQA every query head has its own
-score and value programs, which read the KV head's words in turn (through L2).
+Measured on an H200 (docs/performance.md, GPU time): 3.52x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.35x). With GQA every query head has its own
+score and value programs, which read the KV head's words in turn (through L2): at Llama-3-8B
+heads (4 query heads per KV head) the kernels run 0.63-0.97x cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -103,25 +105,30 @@ class GpuTuning:
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
 
-    The defaults are among the fastest of the H200 sweeps at Llama-2-7B heads (within the
-    timing spread of the fastest; docs/performance.md): one-warp programs for keys and
-    values (the value kernel's layout conversions are then shuffles), loads one tile ahead
-    (two ran the score and value kernels 13-17% slower, with 221 and 255 registers instead of
-    128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower).
+    value_quads left None takes the default of the value bit width (`with_defaults`): 16
+    quads at 2 bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads
+    (docs/performance.md, benchmarks/results/fold_in_score/): the score kernel folds the
+    query (at 2 bits the step ran 7% faster than with the query kernel, at 4 bits with 2
+    slices per key row 6% faster), one-warp programs for keys and values (the value kernel's
+    layout conversions are then shuffles), loads one tile ahead (two ran the score and value
+    kernels 13-17% slower, with 221 and 255 registers instead of 128 and 166), value chains
+    of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30% slower). Not yet
+    the default: one slice per key row ran the KIVI-4 step 4% faster (and KIVI-2's 2%
+    slower) in the last sweep, and has not been through the GPU tests at 4 bits.
     """
 
     score_rows: int = 16
-    score_slices: int = 4
+    score_slices: int = 2
     score_program_groups: int = 16
     score_warps: int = 1
     query_program_groups: int = 16
     query_warps: int = 4
-    value_quads: int = 8
+    value_quads: int | None = None
     value_chain: int = 2
     value_warps: int = 1
     prefetch: int = 1
     value_parts: int = 2
-    score_folds_query: bool = False
+    score_folds_query: bool = True
     num_splits: int | None = None
     target_programs: int = 8 * 132
     num_stages: int = 2
@@ -129,7 +136,7 @@ class GpuTuning:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name == "num_splits":
+            if v is None and f.name in ("value_quads", "num_splits"):
                 continue
             if f.name == "score_folds_query":
                 if not isinstance(v, bool):
@@ -147,6 +154,14 @@ class GpuTuning:
                 f"GpuTuning.value_chain={self.value_chain}: at most {_MAX_CHAIN} (the chained "
                 "int32 sums of the value kernel would overflow)"
             )
+
+    def with_defaults(self, *, v_bits: int) -> GpuTuning:
+        """This tuning with value_quads, if left None, set for v_bits-bit values: 16 quads ran
+        the value kernel 9% faster than 8 at 2 bits and 42% slower at 4 bits (H200 sweeps,
+        benchmarks/results/auto_defaults/)."""
+        if self.value_quads is not None:
+            return self
+        return dataclasses.replace(self, value_quads=16 if v_bits == 2 else 8)
 
 
 def supported_config_reason(
@@ -185,9 +200,10 @@ def score_tiles(
     return program_groups, groups_per_iter, _pow2_divisor(head_dim // 4, tuning.score_slices)
 
 
-def value_tiles(tuning: GpuTuning, *, capacity: int) -> tuple[int, int]:
+def value_tiles(tuning: GpuTuning, *, capacity: int, v_bits: int) -> tuple[int, int]:
     """(quads per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
     of two, 4 times their product dividing the capacity."""
+    tuning = tuning.with_defaults(v_bits=v_bits)
     quads = _pow2_divisor(capacity // 4, tuning.value_quads)
     return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
 
@@ -674,7 +690,7 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     D = v_codes.shape[3] * (8 // bits)
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
-    quads, chain = value_tiles(tuning, capacity=C)
+    quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     step = 4 * quads * chain
     n_steps = C // step
     if tuning.num_splits is not None:
