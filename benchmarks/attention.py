@@ -126,6 +126,11 @@ def split_runs(events) -> list[list[tuple[str, int, int]]]:
     return runs
 
 
+def span_seconds(run: list[tuple[str, int, int]]) -> float:
+    """First kernel start to last kernel end of one traced run."""
+    return (max(t1 for *_, t1 in run) - min(t0 for _, t0, _ in run)) * 1e-9
+
+
 def timed_on_gpu(fn, args, *, repeats: int) -> tuple[float, float, str]:
     """(seconds, host seconds, timing) of one run of fn(*args): seconds is the median GPU time
     (first kernel start to last kernel end, so the host's dispatch before the first kernel and
@@ -196,7 +201,7 @@ def device_interleaved(runs: dict, *, rounds: int) -> dict:
     """Median GPU seconds per run (first kernel start to last kernel end) of each entry of
     runs (name -> (fn, args), already warm); {} without a usable trace."""
     return {
-        name: statistics.median((r[-1][2] - r[0][1]) * 1e-9 for r in per_run)
+        name: statistics.median(span_seconds(r) for r in per_run)
         for name, per_run in traced_by_entry(runs, rounds=rounds).items()
     }
 
@@ -380,8 +385,8 @@ KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "value_kernel_us")
 
 def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
     """Each kernel alone, for the time split: the query kernel and the score kernel (which runs
-    it first) on the state, and the value kernel on random logits of the same shape (its cost
-    does not depend on their values)."""
+    the query kernel first where `score_folds_query` is False) on the state, and the value
+    kernel on random logits of the same shape (its cost does not depend on their values)."""
     kw = dict(group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False)
     split = lambda q: q.astype(jnp.float32).reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
@@ -448,15 +453,16 @@ PREVIOUS_DEFAULT = GpuTuning(
     target_programs=4 * 132,
 )
 # The fifth round's default (benchmarks/results/value_occupancy/), before the per-bit-width
-# defaults of the sixth (benchmarks/results/auto_defaults/).
+# defaults of the sixth (benchmarks/results/fold_in_score/).
 FIFTH_DEFAULT = GpuTuning(score_slices=4, value_quads=8, score_folds_query=False)
 # Tunings timed by --sweep (Llama-2-7B 8x32k, --sweep-bits); the first is the default.
-# After the sixth round: the fifth round's default against the per-bit-width defaults, and
-# the next candidates (one int8 part per value weight; 32 key groups per score program, the
-# fastest KIVI-4 entry of the sixth round's sweep, within its spread).
+# After the sixth round: the fifth round's default against this one, and the next candidates
+# (a key row in one slice: the KIVI-4 step 4% faster, KIVI-2's 2% slower in the sixth round's
+# last sweep; one int8 part per value weight; 32 key groups per score program).
 SWEEP = [
     GpuTuning(),
     FIFTH_DEFAULT,
+    GpuTuning(score_slices=1),
     GpuTuning(value_parts=1),
     GpuTuning(score_program_groups=32),
 ]
@@ -469,19 +475,21 @@ KERNEL_NAMES = {
 
 
 # The sweep's split of a step: each KIVI kernel, every other kernel (XLA's fusions around
-# them), and the GPU's idle time between kernels.
+# them), and the step's span minus the kernels' summed times (the GPU's idle time between
+# kernels; negative where kernels overlap).
 SPLIT_COLUMNS = (*KERNEL_COLUMNS, "other_kernels_us", "idle_us")
 
 
 def _step_split(run: list[tuple[str, int, int]]) -> dict:
-    """{column of SPLIT_COLUMNS or other kernel's name: seconds} of one traced run."""
+    """{column of SPLIT_COLUMNS or other kernel's name: seconds} of one traced run (a KIVI
+    kernel's column only where it ran)."""
     busy = lambda events: sum(t1 - t0 for _, t0, t1 in events) * 1e-9
     kivi = {c: [e for e in run if k in e[0]] for k, c in KERNEL_NAMES.items()}
     other = [e for e in run if not any(k in e[0] for k in KERNEL_NAMES)]
     return {
-        **{c: busy(events) for c, events in kivi.items()},
+        **{c: busy(events) for c, events in kivi.items() if events},
         "other_kernels_us": busy(other),
-        "idle_us": (run[-1][2] - run[0][1]) * 1e-9 - busy(run),
+        "idle_us": span_seconds(run) - busy(run),
         **{name: busy([e for e in other if e[0] == name]) for name in {e[0] for e in other}},
     }
 
@@ -493,7 +501,8 @@ def kernel_split(runs: dict, *, rounds: int) -> dict:
     out = {}
     for entry, per_run in traced_by_entry(runs, rounds=rounds).items():
         splits = [_step_split(r) for r in per_run]
-        out[entry] = {c: statistics.median(x.get(c, 0.0) for x in splits) for c in splits[0]}
+        columns = set().union(*splits)  # an XLA kernel may not run in every round
+        out[entry] = {c: statistics.median(x.get(c, 0.0) for x in splits) for c in columns}
     return out
 
 
@@ -552,7 +561,8 @@ def write_markdown(result: dict, path: Path) -> None:
             if result.get("baselines_from")
             else []
         ),
-        f"KIVI kernel tuning: {result.get('tuning')}",
+        f"KIVI kernel tuning: {result.get('tuning')} (`value_quads` None: 16 for 2-bit "
+        "values, 8 for 4-bit ones, `GpuTuning.with_defaults`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
         "| speed-up vs best bf16 | (host) |",
@@ -577,7 +587,8 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
             "## The kernels alone (default tuning)",
             "",
-            "The score kernel's time includes the query kernel it runs first. GPU time "
+            "Where the score kernel does not fold the query, its time includes the query "
+            "kernel it runs first; where it does, no query kernel is timed. GPU time "
             "(host time where the record's `timing` says so).",
             "",
             "| shape | bits | query kernel µs | score kernel µs | value kernel µs |",
@@ -659,7 +670,8 @@ def main(argv=None) -> None:
         "--sweep-tunings",
         type=json.loads,
         default=None,
-        help="JSON list of GpuTuning fields to sweep instead of SWEEP (the default tuning first)",
+        help="JSON list of GpuTuning fields to sweep instead of SWEEP, after GpuTuning() "
+        "(--tuning applies to the table only)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")

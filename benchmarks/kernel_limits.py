@@ -4,7 +4,8 @@ arithmetic only (H200 or any CUDA GPU).
 The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
 through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times
 each kernel alone at one shape three ways, by swapping that function while the kernel is traced
-(the query kernel, which has no loop, is timed once):
+(the query kernel, which has no loop, is timed once; it runs only with
+``score_folds_query=False``):
 
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
@@ -191,8 +192,9 @@ def write_markdown(result: dict, path: Path) -> None:
         "and with its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
         f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
         f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
-        "The score kernel's three times include the query kernel it runs first (timed alone in",
-        "its own row, `full` only; MB = its reads and writes).",
+        "Without the fold (`score_folds_query` False) the score kernel's three times include the",
+        "query kernel it runs first (timed alone in its own row, `full` only; MB = its reads and",
+        "writes).",
         "",
         "| shape | bits | kernel | MB read | full µs | loads µs | loads GB/s | arith µs "
         "| full / max(loads, arith) | SM MHz |",

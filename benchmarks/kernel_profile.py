@@ -1,10 +1,11 @@
 """Run each decode kernel once per shape and bit width, for Nsight Compute to profile.
 
 Nsight Compute (``ncu``) reads the hardware counters of every kernel it is told to profile;
-this script only provides the launches: for each shape and bit width it runs the query kernel,
-the score kernel (which runs the query kernel first) and the value kernel (on random logits)
-twice (the first launch compiles and warms up; ``kernel_profile_summary.py`` lists every
-launch, so the later of each pair is the warm one).
+this script only provides the launches: for each shape and bit width it runs the score kernel
+(which runs the query kernel first where ``score_folds_query`` is False, the query kernel
+also being launched on its own then) and the value kernel (on random logits) twice (the first
+launch compiles and warms up; ``kernel_profile_summary.py`` lists every launch, so the later
+of each pair is the warm one).
 
     bash benchmarks/kernel_profile.sh OUT_DIR
 
@@ -43,14 +44,15 @@ def main(argv=None) -> None:
             [logits] = bench.random_logits(key, s, 1)
             query, scores, values = bench.kernel_steps(bits, tuning, s.kv_heads)
             runs = [
-                (jax.jit(query), (qs[0], state)),
                 (jax.jit(scores), (qs[0], state)),
                 (jax.jit(values), (qs[0], (state, logits))),
             ]
+            if not tuning.score_folds_query:  # the query kernel as it runs in the step
+                runs.insert(0, (jax.jit(query), (qs[0], state)))
             for fn, fargs in runs:
                 for _ in range(2):
                     jax.block_until_ready(fn(*fargs))
-            print(f"{name} KIVI-{bits}: ran query, query+score, value kernels", flush=True)
+            print(f"{name} KIVI-{bits}: ran {len(runs)} kernel launches twice", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import json
 import re
 import subprocess
 import tempfile
@@ -196,10 +197,19 @@ def query_kernel(tuning: GpuTuning, workdir: Path, *, D=128, G=32, C=32768) -> d
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sass.md"))
+    p.add_argument(
+        "--tunings",
+        type=json.loads,
+        default=None,
+        help="JSON list of GpuTuning fields to build at 2 and 4 bits instead of CONFIGS",
+    )
     args = p.parse_args(argv)
+    configs = CONFIGS
+    if args.tunings is not None:
+        configs = [(GpuTuning(**t), bits, 1) for t in args.tunings for bits in (2, 4)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for tuning, bits, n_rep in dict.fromkeys(CONFIGS):  # configs that coincide run once
+        for tuning, bits, n_rep in dict.fromkeys(configs):  # configs that coincide run once
             for r in analyse(tuning, bits, n_rep, Path(tmp)):
                 rows.append(r)
                 print(r, flush=True)
@@ -232,7 +242,7 @@ def main(argv=None):
         )
     lines += [
         "",
-        "## The query kernel (default tuning, one query head, no loop)",
+        "## The query kernel (`score_folds_query=False`, one query head, no loop)",
         "",
         f"{query['registers']} registers; {query['instructions']} instructions per thread in all, "
         f"{query['per_group_channel']:.1f} per key group and channel it handles; "

@@ -85,7 +85,8 @@ class GpuTuning:
     score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
       the thread; with a row in 8 pieces of 4 words every thread owns whole rows).
     score_program_groups: key groups per score-kernel program.
-    query_program_groups, query_warps: key groups and warps per query-kernel program.
+    query_program_groups, query_warps: key groups and warps per query-kernel program (with
+      score_folds_query False; otherwise there is no query kernel).
     value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
       a thread holds one quad's words of one channel group).
     value_chain: value sub-tiles per iteration whose integer dot products a thread chains
@@ -110,10 +111,11 @@ class GpuTuning:
     (docs/performance.md, benchmarks/results/fold_in_score/): the score kernel folds the
     query (at 2 bits the step ran 7% faster than with the query kernel, at 4 bits with 2
     slices per key row 6% faster), one-warp programs for keys and values (the value kernel's
-    layout conversions are then shuffles), loads one tile ahead (two ran the score and value
-    kernels 13-17% slower, with 221 and 255 registers instead of 128 and 166), value chains
-    of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30% slower). Not yet
-    the default: one slice per key row ran the KIVI-4 step 4% faster (and KIVI-2's 2%
+    layout conversions are then shuffles), loads one tile ahead (in the fifth round two ran
+    the score and value kernels 13-17% slower, with 221 and 255 registers instead of 128 and
+    166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30%
+    slower). Not yet
+    the default: one slice per key row ran the KIVI-4 step 4% faster (and KIVI-2's 2.5%
     slower) in the last sweep, and has not been through the GPU tests at 4 bits.
     """
 
@@ -157,8 +159,8 @@ class GpuTuning:
 
     def with_defaults(self, *, v_bits: int) -> GpuTuning:
         """This tuning with value_quads, if left None, set for v_bits-bit values: 16 quads ran
-        the value kernel 9% faster than 8 at 2 bits and 42% slower at 4 bits (H200 sweeps,
-        benchmarks/results/auto_defaults/)."""
+        the value kernel in 9% less time than 8 at 2 bits and in 42% more at 4 bits (H200
+        sweeps, benchmarks/results/fold_in_score/)."""
         if self.value_quads is not None:
             return self
         return dataclasses.replace(self, value_quads=16 if v_bits == 2 else 8)
