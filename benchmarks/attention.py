@@ -455,7 +455,7 @@ PREVIOUS_DEFAULT = GpuTuning(
 # The fifth round's default (benchmarks/results/value_occupancy/), before the per-bit-width
 # defaults of the sixth (benchmarks/results/fold_in_score/).
 FIFTH_DEFAULT = GpuTuning(score_slices=4, value_quads=8, score_folds_query=False)
-# Tunings timed by --sweep (Llama-2-7B 8x32k, --sweep-bits); the first is the default.
+# Tunings timed by --sweep (8x32k, --sweep-model, --sweep-bits); the first is the default.
 # After the sixth round: the fifth round's default against this one, and the next candidates
 # (a key row in one slice: the KIVI-4 step 4% faster, KIVI-2's 2% slower in the sixth round's
 # last sweep; one int8 part per value weight; 32 key groups per score program).
@@ -673,6 +673,9 @@ def main(argv=None) -> None:
         help="JSON list of GpuTuning fields to sweep instead of SWEEP, after GpuTuning() "
         "(--tuning applies to the table only)",
     )
+    p.add_argument(
+        "--sweep-model", default="Llama-2-7B", choices=list(MODELS), help="heads of the sweep"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
@@ -704,7 +707,7 @@ def main(argv=None) -> None:
     tuning = GpuTuning(**args.tuning)
     if args.sweep:
         s0 = (
-            next(s for s in shapes if s.batch == 8 and s.context == 32768)
+            next(s for s in shapes if s.name == f"{args.sweep_model} 8x32k")
             if not args.smoke
             else shapes[0]
         )
