@@ -383,10 +383,12 @@ def bench_shape(
 KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "value_kernel_us")
 
 
-def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
-    """Each kernel alone, for the time split: the query kernel and the score kernel (which runs
-    the query kernel first where `score_folds_query` is False) on the state, and the value
-    kernel on random logits of the same shape (its cost does not depend on their values)."""
+def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
+    """{column of KERNEL_COLUMNS: step} for each kernel the tuning's step runs, alone, in the
+    order the step runs them: the query kernel (only where `score_folds_query` is False) and
+    the score kernel (which then runs the query kernel first) as step(q, state), and the value
+    kernel on random logits of the same shape (its cost does not depend on their values) as
+    step(q, (state, logits))."""
     kw = dict(group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False)
     split = lambda q: q.astype(jnp.float32).reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
@@ -404,7 +406,8 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int):
         return weighted_values(m, logits, st["v_codes"], st["v_scale"], st["v_zero"],
                                st["lengths"], bits=bits, **kw)[1]  # fmt: skip
 
-    return query, scores, values
+    steps = {"score_kernel_us": scores, "value_kernel_us": values}
+    return steps if tuning.score_folds_query else {"query_kernel_us": query, **steps}
 
 
 def random_logits(key, s: Shape, n: int) -> list:
@@ -414,17 +417,13 @@ def random_logits(key, s: Shape, n: int) -> list:
 
 
 def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> dict:
-    """{name: (fn, args)} for KERNEL_COLUMNS: each kernel alone as one jit of len(qs) calls,
-    with its arguments."""
-    query, scores, values = kernel_steps(bits, tuning, s.kv_heads)
+    """{name: (fn, args)} for the kernels of `kernel_steps`: each kernel alone as one jit of
+    len(qs) calls, with its arguments."""
     with_logits = list(zip(states, logits, strict=True))
-    runs = {
-        "query_kernel_us": (_many_calls(query, qs, states), (qs, states)),
-        "score_kernel_us": (_many_calls(scores, qs, states), (qs, states)),
-        "value_kernel_us": (_many_calls(values, qs, with_logits), (qs, with_logits)),
-    }
-    if tuning.score_folds_query:  # no query kernel in the step
-        del runs["query_kernel_us"]
+    runs = {}
+    for name, step in kernel_steps(bits, tuning, s.kv_heads).items():
+        args = (qs, with_logits if name == "value_kernel_us" else states)
+        runs[name] = (_many_calls(step, *args), args)
     return runs
 
 

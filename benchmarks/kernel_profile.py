@@ -42,17 +42,13 @@ def main(argv=None) -> None:
             qs = bench._queries(key, s, 1)
             [state] = bench.kivi_states(key, s, bits)[:1]
             [logits] = bench.random_logits(key, s, 1)
-            query, scores, values = bench.kernel_steps(bits, tuning, s.kv_heads)
-            runs = [
-                (jax.jit(scores), (qs[0], state)),
-                (jax.jit(values), (qs[0], (state, logits))),
-            ]
-            if not tuning.score_folds_query:  # the query kernel as it runs in the step
-                runs.insert(0, (jax.jit(query), (qs[0], state)))
-            for fn, fargs in runs:
+            steps = bench.kernel_steps(bits, tuning, s.kv_heads)
+            for column, step in steps.items():
+                fn = jax.jit(step)
+                fargs = (qs[0], (state, logits) if column == "value_kernel_us" else state)
                 for _ in range(2):
                     jax.block_until_ready(fn(*fargs))
-            print(f"{name} KIVI-{bits}: ran {len(runs)} kernel launches twice", flush=True)
+            print(f"{name} KIVI-{bits}: ran {len(steps)} kernels twice each", flush=True)
 
 
 if __name__ == "__main__":

@@ -114,9 +114,8 @@ class GpuTuning:
     layout conversions are then shuffles), loads one tile ahead (in the fifth round two ran
     the score and value kernels 13-17% slower, with 221 and 255 registers instead of 128 and
     166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30%
-    slower). Not yet
-    the default: one slice per key row ran the KIVI-4 step 4% faster (and KIVI-2's 2.5%
-    slower) in the last sweep, and has not been through the GPU tests at 4 bits.
+    slower). Not yet the default: one slice per key row ran the KIVI-4 step 4% faster (and
+    KIVI-2's 2.5% slower) in the last sweep, and has not been through the GPU tests at 4 bits.
     """
 
     score_rows: int = 16
