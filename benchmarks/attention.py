@@ -34,6 +34,7 @@ from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_atte
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     key_scores,
     quantize_query,
+    tail_attention,
     weighted_values,
 )
 
@@ -380,33 +381,45 @@ def bench_shape(
     return row
 
 
-KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "value_kernel_us")
+KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "tail_kernel_us", "value_kernel_us")
+# The kernels of `kernel_steps` that read logits: their steps take (state, logits).
+LOGIT_KERNELS = ("tail_kernel_us", "value_kernel_us")
 
 
 def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     """{column of KERNEL_COLUMNS: step} for each kernel the tuning's step runs, alone, in the
     order the step runs them: the query kernel (only where `score_folds_query` is False) and
-    the score kernel (which then runs the query kernel first) as step(q, state), and the value
-    kernel on random logits of the same shape (its cost does not depend on their values) as
-    step(q, (state, logits))."""
-    kw = dict(group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False)
-    split = lambda q: q.astype(jnp.float32).reshape(q.shape[0], kv_heads, -1, q.shape[-1])
+    the score kernel (which then runs the query kernel first) as step(q, state), and the tail
+    and value kernels on random logits of the same shape (their cost does not depend on the
+    values) as step(q, (state, logits))."""
+    kw = dict(group_size=GROUP, interpret=False)
+    q_scale = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
+    split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
     def query(q, state):
-        return quantize_query(split(q), state["k_scale"], state["k_zero"], tuning=tuning,
+        qs = split(q).astype(jnp.float32) * q_scale
+        return quantize_query(qs, state["k_scale"], state["k_zero"], tuning=tuning,
                               interpret=False)[1]  # fmt: skip
 
     def scores(q, state):
         return key_scores(split(q), state["k_codes"], state["k_scale"], state["k_zero"],
-                          state["lengths"], bits=bits, **kw)[1]  # fmt: skip
+                          state["lengths"], q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
+                          tuning=tuning, **kw)[1]  # fmt: skip
+
+    def tail(q, state):
+        st, logits = state
+        block_max = jnp.max(logits.reshape(*logits.shape[:3], -1, 512), axis=-1)
+        return tail_attention(split(q), st["k_residual"], st["v_residual"], logits, block_max,
+                              st["lengths"], q_scale=q_scale, interpret=False)[1]  # fmt: skip
 
     def values(q, state):
         st, logits = state
         m = jnp.max(logits, axis=-1) + q[0, 0, 0].astype(jnp.float32)
         return weighted_values(m, logits, st["v_codes"], st["v_scale"], st["v_zero"],
-                               st["lengths"], bits=bits, **kw)[1]  # fmt: skip
+                               st["lengths"], bits=bits, residual_length=RESIDUAL, tuning=tuning,
+                               **kw)[1]  # fmt: skip
 
-    steps = {"score_kernel_us": scores, "value_kernel_us": values}
+    steps = {"score_kernel_us": scores, "tail_kernel_us": tail, "value_kernel_us": values}
     return steps if tuning.score_folds_query else {"query_kernel_us": query, **steps}
 
 
@@ -422,7 +435,7 @@ def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> d
     with_logits = list(zip(states, logits, strict=True))
     runs = {}
     for name, step in kernel_steps(bits, tuning, s.kv_heads).items():
-        args = (qs, with_logits if name == "value_kernel_us" else states)
+        args = (qs, with_logits if name in LOGIT_KERNELS else states)
         runs[name] = (_many_calls(step, *args), args)
     return runs
 
@@ -455,13 +468,14 @@ PREVIOUS_DEFAULT = GpuTuning(
 # defaults of the sixth (benchmarks/results/fold_in_score/).
 FIFTH_DEFAULT = GpuTuning(score_slices=4, value_quads=8, score_folds_query=False)
 # Tunings timed by --sweep (8x32k, --sweep-model, --sweep-bits); the first is the default.
-# After the sixth round: the fifth round's default against this one, and the next candidates
-# (a key row in one slice: the KIVI-4 step 4% faster, KIVI-2's 2% slower in the sixth round's
-# last sweep; one int8 part per value weight; 32 key groups per score program).
+# After the seventh round: the fifth round's default against this one, a key row in one and
+# in two slices (the default is 2 for 2-bit keys and 1 for 4-bit ones), one int8 part per
+# value weight, 32 key groups per score program.
 SWEEP = [
     GpuTuning(),
     FIFTH_DEFAULT,
     GpuTuning(score_slices=1),
+    GpuTuning(score_slices=2),
     GpuTuning(value_parts=1),
     GpuTuning(score_program_groups=32),
 ]
@@ -469,6 +483,7 @@ SWEEP = [
 KERNEL_NAMES = {
     "kivi_query": "query_kernel_us",
     "kivi_scores": "score_kernel_us",
+    "kivi_tail": "tail_kernel_us",
     "kivi_values": "value_kernel_us",
 }
 
@@ -560,8 +575,9 @@ def write_markdown(result: dict, path: Path) -> None:
             if result.get("baselines_from")
             else []
         ),
-        f"KIVI kernel tuning: {result.get('tuning')} (`value_quads` None: 16 for 2-bit "
-        "values, 8 for 4-bit ones, `GpuTuning.with_defaults`)",
+        f"KIVI kernel tuning: {result.get('tuning')} (`score_slices` None: 2 for 2-bit keys, "
+        "1 for 4-bit ones; `value_quads` None: 16 for 2-bit values, 8 for 4-bit ones; "
+        "`GpuTuning.key_slices`, `GpuTuning.quads`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
         "| speed-up vs best bf16 | (host) |",
@@ -590,8 +606,9 @@ def write_markdown(result: dict, path: Path) -> None:
             "kernel it runs first; where it does, no query kernel is timed. GPU time "
             "(host time where the record's `timing` says so).",
             "",
-            "| shape | bits | query kernel µs | score kernel µs | value kernel µs |",
-            "|---|---:|---:|---:|---:|",
+            "| shape | bits | query kernel µs | score kernel µs | tail kernel µs "
+            "| value kernel µs |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for r in result["kernels"]:
             alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in KERNEL_COLUMNS)
@@ -610,9 +627,9 @@ def write_markdown(result: dict, path: Path) -> None:
         ]
         lines.append(
             "| shape | bits | tuning | µs | % of peak | query kernel µs | score kernel µs "
-            "| value kernel µs | other kernels µs | idle µs |"
+            "| tail kernel µs | value kernel µs | other kernels µs | idle µs |"
         )
-        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
             steps = bench.kernel_steps(bits, tuning, s.kv_heads)
             for column, step in steps.items():
                 fn = jax.jit(step)
-                fargs = (qs[0], (state, logits) if column == "value_kernel_us" else state)
+                fargs = (qs[0], (state, logits) if column in bench.LOGIT_KERNELS else state)
                 for _ in range(2):
                     jax.block_until_ready(fn(*fargs))
             print(f"{name} KIVI-{bits}: ran {len(steps)} kernels twice each", flush=True)

@@ -106,20 +106,20 @@ class GpuTuning:
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
 
-    value_quads left None takes the default of the value bit width (`with_defaults`): 16
-    quads at 2 bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads
-    (docs/performance.md, benchmarks/results/fold_in_score/): the score kernel folds the
-    query (at 2 bits the step ran 7% faster than with the query kernel, at 4 bits with 2
-    slices per key row 6% faster), one-warp programs for keys and values (the value kernel's
-    layout conversions are then shuffles), loads one tile ahead (in the fifth round two ran
-    the score and value kernels 13-17% slower, with 221 and 255 registers instead of 128 and
-    166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30%
-    slower). Not yet the default: one slice per key row ran the KIVI-4 step 4% faster (and
-    KIVI-2's 2.5% slower) in the last sweep, and has not been through the GPU tests at 4 bits.
+    score_slices and value_quads left None take the default of the key and value bit width
+    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at 2
+    bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads (docs/performance.md,
+    benchmarks/results/fold_in_score/ and tail_kernel/): the score kernel folds the query (at 2
+    bits the step ran 7% faster than with the query kernel, at 4 bits with 2 slices per key row
+    6% faster), one-warp
+    programs for keys and values (the value kernel's layout conversions are then shuffles),
+    loads one tile ahead (in the fifth round two ran the score and value kernels 13-17% slower,
+    with 221 and 255 registers instead of 128 and 166), value chains of 2 (with 4 the value
+    kernel ran 1.6x slower, with 1 it ran 14-30% slower).
     """
 
     score_rows: int = 16
-    score_slices: int = 2
+    score_slices: int | None = None
     score_program_groups: int = 16
     score_warps: int = 1
     query_program_groups: int = 16
@@ -137,7 +137,7 @@ class GpuTuning:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name in ("value_quads", "num_splits"):
+            if v is None and f.name in ("score_slices", "value_quads", "num_splits"):
                 continue
             if f.name == "score_folds_query":
                 if not isinstance(v, bool):
@@ -146,7 +146,8 @@ class GpuTuning:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
         for name in ("score_warps", "value_warps", "query_warps", "score_slices"):
-            if getattr(self, name) & (getattr(self, name) - 1):
+            v = getattr(self, name)
+            if v is not None and v & (v - 1):
                 raise ValueError(f"GpuTuning.{name} must be a power of two")
         if self.value_parts not in (1, 2):
             raise ValueError(f"GpuTuning.value_parts must be 1 or 2, got {self.value_parts}")
@@ -156,13 +157,23 @@ class GpuTuning:
                 "int32 sums of the value kernel would overflow)"
             )
 
-    def with_defaults(self, *, v_bits: int) -> GpuTuning:
-        """This tuning with value_quads, if left None, set for v_bits-bit values: 16 quads ran
-        the value kernel in 9% less time than 8 at 2 bits and in 42% more at 4 bits (H200
-        sweeps, benchmarks/results/fold_in_score/)."""
-        if self.value_quads is not None:
-            return self
-        return dataclasses.replace(self, value_quads=16 if v_bits == 2 else 8)
+    def key_slices(self, k_bits: int) -> int:
+        """score_slices, or if None the default for k_bits-bit keys: 2 at 2 bits (1 ran the
+        KIVI-2 step 2.5% slower) and 1 at 4 bits (the KIVI-4 step 3.5% faster than with 2:
+        fewer shared-memory round trips in the query fold). H200 sweeps,
+        benchmarks/results/fold_in_score/ and tail_kernel/."""
+        return self.score_slices or (2 if k_bits == 2 else 1)
+
+    def quads(self, v_bits: int) -> int:
+        """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
+        kernel in 9% less time than with 8) and 8 at 4 bits (16 took 42% more)."""
+        return self.value_quads or (16 if v_bits == 2 else 8)
+
+    def with_defaults(self, *, k_bits: int, v_bits: int) -> GpuTuning:
+        """This tuning with score_slices and value_quads set for these bit widths."""
+        return dataclasses.replace(
+            self, score_slices=self.key_slices(k_bits), value_quads=self.quads(v_bits)
+        )
 
 
 def supported_config_reason(
@@ -198,14 +209,14 @@ def score_tiles(
     program_groups = _pow2_divisor(capacity // group_size, tuning.score_program_groups)
     rows_per_group = group_size * k_bits // 8
     groups_per_iter = _pow2_divisor(program_groups, max(1, tuning.score_rows // rows_per_group))
-    return program_groups, groups_per_iter, _pow2_divisor(head_dim // 4, tuning.score_slices)
+    slices = _pow2_divisor(head_dim // 4, tuning.key_slices(k_bits))
+    return program_groups, groups_per_iter, slices
 
 
 def value_tiles(tuning: GpuTuning, *, capacity: int, v_bits: int) -> tuple[int, int]:
     """(quads per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
     of two, 4 times their product dividing the capacity."""
-    tuning = tuning.with_defaults(v_bits=v_bits)
-    quads = _pow2_divisor(capacity // 4, tuning.value_quads)
+    quads = _pow2_divisor(capacity // 4, tuning.quads(v_bits))
     return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
 
 
@@ -446,12 +457,13 @@ def _score_kernel(
     *refs,
     # (fold_query False) q8_ref [NG, 2, nS, ws] int32, the query in each group (quantize_query),
     #   cb_ref [2, NG] f32, coef and bias per group;
-    # (fold_query True) q_ref [nS, ws, 4] f32, the scaled query, ks_ref, kz_ref
-    #   [NG, nS, ws, 4], the key scales and zero points, folded here (`_fold_query`);
+    # (fold_query True) q_ref [nS, ws, 4] the query (its dtype; times q_scale here), ks_ref,
+    #   kz_ref [NG, nS, ws, 4], the key scales and zero points, folded here (`_fold_query`);
     # then kw_ref [NG, GB, nS, ws] int32 key words: group, token byte, channel quads,
     # out s_ref [NG, GB, 2..2] f32 logits of token g*G + kpb*tb + j (j over the 2s),
     # out m_ref [] f32 max over this program's quantized keys.
     fold_query: bool,
+    q_scale: float,
     bits: int,
     group_size: int,
     residual_length: int,
@@ -464,7 +476,7 @@ def _score_kernel(
     kpb, n1 = 8 // bits, groups_per_iter
     if fold_query:
         q_ref, ks_ref, kz_ref = query_refs
-        q = [q_ref[s][None] for s in range(nS)]  # [1, ws, 4] each
+        q = [q_ref[s][None].astype(jnp.float32) * q_scale for s in range(nS)]  # [1, ws, 4]
     else:
         q8_ref, cb_ref = query_refs
     length = len_ref[()]
@@ -610,11 +622,12 @@ def _value_kernel(
     l_ref[()] = jnp.sum(ls)
 
 
-def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, residual_length,
-               tuning, interpret):  # fmt: skip
-    """The score kernel. qs [B, H, n_rep, D] f32 (scaled queries) -> logits [B, H, n_rep, C]
-    of the quantized keys (defined for t < Qk) and each program's max [B, H, n_rep, P]."""
-    B, H, n_rep, D = qs.shape
+def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
+               residual_length, tuning, interpret):  # fmt: skip
+    """The score kernel. q [B, H, n_rep, D] (queries, any float dtype; the logits are of
+    q * q_scale in float32) -> logits [B, H, n_rep, C] of the quantized keys (defined for
+    t < Qk) and each program's max [B, H, n_rep, P]."""
+    B, H, n_rep, D = q.shape
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
     GB, W = G // kpb, D // 4  # token bytes per key group, words per token byte
@@ -632,11 +645,12 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
             pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
         ]
         query_args = [
-            qs.reshape(B, Hq, nS, ws, 4),
+            q.reshape(B, Hq, nS, ws, 4),
             k_scale.reshape(B, H, C // G, nS, ws, 4),
             k_zero.reshape(B, H, C // G, nS, ws, 4),
         ]
     else:
+        qs = q.astype(jnp.float32) * q_scale
         q8, cb = quantize_query(qs, k_scale, k_zero, tuning=tuning, interpret=interpret)
         query_specs = [
             pl.BlockSpec((None, None, NG, 2, nS, ws), lambda b, h, p: (b, h, p, 0, 0, 0)),
@@ -647,6 +661,7 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         functools.partial(
             _score_kernel,
             fold_query=tuning.score_folds_query,
+            q_scale=q_scale,
             bits=bits,
             group_size=G,
             residual_length=residual_length,
@@ -679,6 +694,108 @@ def key_scores(qs, k_codes, k_scale, k_zero, lengths, *, bits, group_size, resid
         _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
+
+
+def _tail_kernel(
+    len_ref,  # []          int32
+    q_ref,  # [D]           the query (its dtype; times q_scale here)
+    kr_ref,  # [R, D]       residual keys, token t at ring slot t % R
+    vr_ref,  # [R, D]       residual values
+    s_ref,  # [C]           f32 logits of the quantized keys (the score kernel's, t < Qk)
+    bm_ref,  # [P]          f32 max of each score program
+    m_ref,  # out []        f32 max logit of the row
+    o_ref,  # out [D]       f32 sum over the tail of 2**(s_t - m) v_t
+    l_ref,  # out []        f32 sum over the tail of 2**(s_t - m)
+    *,
+    q_scale: float,
+    slots: int,
+    max_chunk: int,
+):
+    """The residual tail, the R tokens [Pv, Pv + R): their logits (from the score kernel where
+    t < Qk, else q . k_residual), the row's max (with the score programs' maxima) and the
+    tail's weighted values. Ring slots are taken `slots` at a time (R need not be a power of
+    two); every load is issued before the arithmetic, so that their latencies overlap."""
+    R, D = kr_ref.shape
+    C, P = s_ref.shape[0], bm_ref.shape[0]
+    chunks = [pl.ds(c * slots, slots) for c in range(R // slots)]
+    keys = [kr_ref[c, :] for c in chunks]  # [slots, D] each
+    values = [vr_ref[c, :] for c in chunks]
+    length = len_ref[()]
+    qk, pv = length - length % R, jnp.maximum(length - R, 0)
+    rot = pv % R  # the slot of token pv
+    slot = [c * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0) for c in range(len(chunks))]
+    tok = [pv - rot + x + jnp.where(x < rot, R, 0) for x in slot]  # pv + (slot - pv) mod R
+    s_quant = [s_ref[jnp.minimum(t, C - 1)] for t in tok]
+    m = lax.fori_loop(
+        0,
+        P // max_chunk,
+        lambda i, m: jnp.maximum(m, jnp.max(bm_ref[pl.ds(i * max_chunk, max_chunk)])),
+        jnp.float32(_NEG_INIT),
+    )
+    q = q_ref[...].astype(jnp.float32)[None, :] * q_scale  # [1, D]
+    logits = []
+    for k, t, sq in zip(keys, tok, s_quant, strict=True):
+        s_res = jnp.sum(k.astype(jnp.float32) * q, axis=1)  # [slots]
+        logits.append(jnp.where(t < length, jnp.where(t < qk, sq, s_res), -jnp.inf))
+        m = jnp.maximum(m, jnp.max(logits[-1]))
+    o, l_sum = jnp.zeros((D,), jnp.float32), jnp.float32(0.0)
+    for v, s in zip(values, logits, strict=True):
+        p = jnp.exp2(s - m)  # 0 where s = -inf (m is finite)
+        o = o + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+        l_sum = l_sum + jnp.sum(p)
+    m_ref[()] = m
+    o_ref[...] = o
+    l_ref[()] = l_sum
+
+
+def tail_attention(q, k_residual, v_residual, scores, block_max, lengths, *, q_scale,
+                   interpret):  # fmt: skip
+    """The tail kernel. q [B, H, n_rep, D], k_residual / v_residual [B, H, R, D], scores
+    [B, H, n_rep, C] and block_max [B, H, n_rep, P] (`key_scores`) -> the row's max logit
+    m [B, H, n_rep], and over the tail sum_t 2**(s_t - m) v_t [B, H, n_rep, D] and
+    sum_t 2**(s_t - m) [B, H, n_rep]."""
+    B, H, n_rep, D = q.shape
+    R, C, P, Hq = k_residual.shape[2], scores.shape[3], block_max.shape[3], H * n_rep
+    row = lambda b, h: (b, h, 0)
+    kv = pl.BlockSpec((None, None, R, D), lambda b, h: (b, h // n_rep, 0, 0))
+    m, o, l_sum = pl.pallas_call(
+        functools.partial(
+            _tail_kernel,
+            q_scale=q_scale,
+            slots=_pow2_divisor(R, 128),
+            max_chunk=_pow2_divisor(P, 1024),
+        ),
+        grid=(B, Hq),
+        in_specs=[
+            pl.BlockSpec((None,), lambda b, h: (b,)),
+            pl.BlockSpec((None, None, D), row),
+            kv,
+            kv,
+            pl.BlockSpec((None, None, C), row),
+            pl.BlockSpec((None, None, P), row),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None), lambda b, h: (b, h)),
+            pl.BlockSpec((None, None, D), row),
+            pl.BlockSpec((None, None), lambda b, h: (b, h)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hq), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
+        name="kivi_tail",
+    )(
+        lengths,
+        q.reshape(B, Hq, D),
+        k_residual,
+        v_residual,
+        scores.reshape(B, Hq, C),
+        block_max.reshape(B, Hq, P),
+    )
+    return m.reshape(B, H, n_rep), o.reshape(B, H, n_rep, D), l_sum.reshape(B, H, n_rep)
 
 
 def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group_size,
@@ -797,28 +914,23 @@ def kivi_decode_attention_gpu(
     if R % G or C % G:
         raise ValueError(f"residual_length={R} and capacity={C} must be multiples of G={G}")
     n_rep = Hq // H
-    scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E
-    qs = q.astype(jnp.float32).reshape(B, H, n_rep, D) * scale
-    common = dict(group_size=G, residual_length=R, tuning=tuning, interpret=interpret)
-    scores, block_max = key_scores(qs, k_codes, k_scale, k_zero, lengths, bits=k_bits, **common)
-
-    # The tail: the R tokens [Pv, Pv + R), token t at ring slot t % R.
-    length = lengths[:, None]  # [B, 1]
-    qk, pv = length - length % R, jnp.maximum(length - R, 0)
-    tok = pv + (jnp.arange(R)[None, :] - pv) % R  # [B, R] the token at each slot
-    held = (tok < length)[:, None, None, :]  # [B, 1, 1, R]
-    hi = lax.Precision.HIGHEST
-    s_res = jnp.einsum("bhrd,bhsd->bhrs", qs, k_residual.astype(jnp.float32), precision=hi)
-    s_quant = jnp.take_along_axis(scores, jnp.minimum(tok, C - 1)[:, None, None, :], axis=-1)
-    s_tail = jnp.where((tok < qk)[:, None, None, :], s_quant, s_res)
-    s_tail = jnp.where(held, s_tail, -jnp.inf)
-    m = jnp.maximum(jnp.max(block_max, axis=-1), jnp.max(s_tail, axis=-1))  # [B, H, n_rep]
-
-    o, l_sum = weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, bits=v_bits, **common)
-    p_tail = jnp.where(held, jnp.exp2(s_tail - m[..., None]), 0.0)  # [B, H, n_rep, R]
-    o_tail = jnp.einsum("bhrs,bhsd->bhrd", p_tail, v_residual.astype(jnp.float32), precision=hi)
-    num = jnp.sum(o, axis=3) + o_tail
-    den = (jnp.sum(l_sum, axis=-1) + jnp.sum(p_tail, axis=-1))[..., None]
+    q_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E  # base-2 logits
+    q = q.reshape(B, H, n_rep, D)
+    common = dict(group_size=G, interpret=interpret)
+    scores, block_max = key_scores(
+        q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
+        tuning=tuning, **common,
+    )  # fmt: skip
+    m, o_tail, l_tail = tail_attention(
+        q, k_residual, v_residual, scores, block_max, lengths, q_scale=q_scale,
+        interpret=interpret,
+    )  # fmt: skip
+    o, l_sum = weighted_values(
+        m, scores, v_codes, v_scale, v_zero, lengths, bits=v_bits, residual_length=R,
+        tuning=tuning, **common,
+    )  # fmt: skip
+    num = jnp.sum(o, axis=3) + o_tail  # [B, H, n_rep, D]
+    den = (jnp.sum(l_sum, axis=-1) + l_tail)[..., None]
     out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
     return out.reshape(B, Hq, D).astype(q.dtype)
 
