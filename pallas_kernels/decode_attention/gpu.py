@@ -30,17 +30,17 @@ arrays are reinterpreted by an XLA bitcast, no copy).
   same int32 sums in one iteration (no data leaves the thread); the sums are then scaled into
   per-thread float32 accumulators, reduced over tokens once, at the end of the program.
 
-Two kernels, because the value side needs the softmax weights of every token before it
-starts and per-thread accumulators cannot afford an online-softmax rescale: the score kernel
-folds the query into each tile of key groups, writes the base-2 logits of the quantized keys
-(4 bytes per token and query head) and each program's maximum; XLA forms the global max per
-row with the residual tail; the value kernel then reads the logits once, exponentiates
-against that max and accumulates. The residual tail (at most R tokens per row, held in full
-precision) is a small XLA einsum, merged at the end. With
-``GpuTuning(score_folds_query=False)`` a third kernel, the query kernel, folds the query
-into every key group first and the score kernel reads its int8 parts (the default until the
-sixth round: 2 bytes per group channel written and read back, for less arithmetic in the
-score loop).
+Three kernels in a row, because the value side needs the softmax weights of every token
+before it starts and per-thread accumulators cannot afford an online-softmax rescale: the
+score kernel folds the query into each tile of key groups and writes the base-2 logits of the
+quantized keys (4 bytes per token and query head) and each program's maximum; the tail
+kernel takes the residual tail (the last R tokens, full-precision keys or values) and forms
+each row's max; the value kernel then reads the logits once, exponentiates against that max
+and accumulates. XLA only sums the value kernel's token splits with the tail at the end.
+With ``GpuTuning(score_folds_query=False)`` a fourth kernel, the query kernel, folds the
+query into every key group first and the score kernel reads its int8 parts (the default
+until the sixth round: 2 bytes per group channel written and read back, for less
+arithmetic in the score loop).
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
@@ -51,10 +51,10 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.52x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.35x). With GQA every query head has its own
+Measured on an H200 (docs/performance.md, GPU time): 3.60x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.48x). With GQA every query head has its own
 score and value programs, which read the KV head's words in turn (through L2): at Llama-3-8B
-heads (4 query heads per KV head) the kernels run 0.63-0.97x cuDNN's speed.
+heads (4 query heads per KV head) the kernels run 0.79-1.02x cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -107,15 +107,15 @@ class GpuTuning:
       of two at or below ceil(target_programs / (batch x query heads)).
 
     score_slices and value_quads left None take the default of the key and value bit width
-    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at 2
-    bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads (docs/performance.md,
-    benchmarks/results/fold_in_score/ and tail_kernel/): the score kernel folds the query (at 2
-    bits the step ran 7% faster than with the query kernel, at 4 bits with 2 slices per key row
-    6% faster), one-warp
-    programs for keys and values (the value kernel's layout conversions are then shuffles),
-    loads one tile ahead (in the fifth round two ran the score and value kernels 13-17% slower,
-    with 221 and 255 registers instead of 128 and 166), value chains of 2 (with 4 the value
-    kernel ran 1.6x slower, with 1 it ran 14-30% slower).
+    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at
+    2 bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads
+    (docs/performance.md; benchmarks/results/fold_in_score/ and tail_kernel/): the score
+    kernel folds the query (at 2 bits the step ran 7% faster than with the query kernel, at 4
+    bits with 2 slices per key row 6% faster), one-warp programs for keys and values (the
+    value kernel's layout conversions are then shuffles), loads one tile ahead (in the fifth
+    round two ran the score and value kernels 13-17% slower, with 221 and 255 registers
+    instead of 128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with
+    1 it ran 14-30% slower).
     """
 
     score_rows: int = 16
@@ -159,9 +159,9 @@ class GpuTuning:
 
     def key_slices(self, k_bits: int) -> int:
         """score_slices, or if None the default for k_bits-bit keys: 2 at 2 bits (1 ran the
-        KIVI-2 step 2.5% slower) and 1 at 4 bits (the KIVI-4 step 3.5% faster than with 2:
-        fewer shared-memory round trips in the query fold). H200 sweeps,
-        benchmarks/results/fold_in_score/ and tail_kernel/."""
+        KIVI-2 step 2.5% slower) and 1 at 4 bits (the KIVI-4 step 2-3.5% faster than with 2
+        in three sweeps; half the shared-memory stores per loop in a local build). H200
+        sweeps, benchmarks/results/fold_in_score/ and tail_kernel/."""
         return self.score_slices or (2 if k_bits == 2 else 1)
 
     def quads(self, v_bits: int) -> int:
