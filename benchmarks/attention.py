@@ -34,6 +34,7 @@ from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_atte
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     key_scores,
     quantize_query,
+    score_tiles,
     tail_attention,
     weighted_values,
 )
@@ -382,7 +383,7 @@ def bench_shape(
 
 
 KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "tail_kernel_us", "value_kernel_us")
-# The kernels of `kernel_steps` that read logits: their steps take (state, logits).
+# The kernels of `kernel_steps` that read logits: their steps take (state, random_logits(...)[i]).
 LOGIT_KERNELS = ("tail_kernel_us", "value_kernel_us")
 
 
@@ -391,7 +392,7 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     order the step runs them: the query kernel (only where `score_folds_query` is False) and
     the score kernel (which then runs the query kernel first) as step(q, state), and the tail
     and value kernels on random logits of the same shape (their cost does not depend on the
-    values) as step(q, (state, logits))."""
+    values) as step(q, (state, (logits, block_max)))."""
     kw = dict(group_size=GROUP, interpret=False)
     q_scale = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
     split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
@@ -407,14 +408,13 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
                           tuning=tuning, **kw)[1]  # fmt: skip
 
     def tail(q, state):
-        st, logits = state
-        block_max = jnp.max(logits.reshape(*logits.shape[:3], -1, 512), axis=-1)
+        st, (logits, block_max) = state
         return tail_attention(split(q), st["k_residual"], st["v_residual"], logits, block_max,
                               st["lengths"], q_scale=q_scale, interpret=False)[1]  # fmt: skip
 
     def values(q, state):
-        st, logits = state
-        m = jnp.max(logits, axis=-1) + q[0, 0, 0].astype(jnp.float32)
+        st, (logits, block_max) = state
+        m = jnp.max(block_max, axis=-1) + q[0, 0, 0].astype(jnp.float32)
         return weighted_values(m, logits, st["v_codes"], st["v_scale"], st["v_zero"],
                                st["lengths"], bits=bits, residual_length=RESIDUAL, tuning=tuning,
                                **kw)[1]  # fmt: skip
@@ -424,9 +424,19 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
 
 
 def random_logits(key, s: Shape, n: int) -> list:
-    """n float32 logit arrays [B, H, n_rep, C] for the value kernel timed alone."""
+    """n random score-kernel outputs for the tail and value kernels timed alone: float32 logits
+    [B, H, n_rep, C] and their maxima per program of the default score tiles [B, H, n_rep, P]
+    (computed here, outside the timed steps)."""
     shape = (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.context)
-    return [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) for i in range(n)]
+    groups, _, _ = score_tiles(
+        GpuTuning(), capacity=s.context, group_size=GROUP, head_dim=s.head_dim, k_bits=2
+    )
+    out = []
+    for i in range(n):
+        logits = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+        block_max = jnp.max(logits.reshape(*shape[:3], -1, groups * GROUP), axis=-1)
+        out.append((logits, block_max))
+    return out
 
 
 def kernel_runs(s: Shape, bits: int, tuning: GpuTuning, qs, states, logits) -> dict:

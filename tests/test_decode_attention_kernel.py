@@ -150,13 +150,20 @@ def test_tail_kernel_matches_its_definition(rng):
     """tail_attention over the R tokens [Pv, Pv + R) of each row: logit from the score kernel's
     output where t < Qk, else q . k_residual at ring slot t % R; the row's max m with the
     score programs' maxima; sum_t 2**(s_t - m) v_t and sum_t 2**(s_t - m) over t < length.
-    R = 48 (not a power of two), 3 score programs per row, rings at several rotations."""
-    B, H, n_rep, D, R, C, P = 5, 2, 2, 64, 48, 144, 3
+    R = 48 (not a power of two), 12 score programs per row (read 4 at a time), rings at
+    several rotations; as the score kernel leaves them, logits past Qk are garbage (NaN) and
+    a row without quantized keys has program maxima of -1e30."""
+    B, H, n_rep, D, R, C, P = 5, 2, 2, 64, 48, 144, 12
     lengths = np.array([0, 20, 48, 100, 130], np.int32)  # Pv: 0, 0, 0, 52, 82
     q = rng.normal(size=(B, H, n_rep, D)).astype(np.float32)
     k_res, v_res = (rng.normal(size=(B, H, R, D)).astype(np.float32) for _ in range(2))
     scores = rng.normal(size=(B, H, n_rep, C)).astype(np.float32) * 3
     block_max = rng.normal(size=(B, H, n_rep, P)).astype(np.float32)
+    for b, length in enumerate(lengths):
+        qk = length - length % R
+        scores[b, ..., qk:] = np.nan
+        if qk == 0:
+            block_max[b] = -1e30
     q_scale = 0.2
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     m, o, l_sum = tail_attention(
@@ -172,11 +179,12 @@ def test_tail_kernel_matches_its_definition(rng):
             s_res = rd(k_res[b, h])[tok % R] @ (rd(q[b, h, r]) * q_scale)
             s = np.where(tok < qk, scores[b, h, r, np.minimum(tok, C - 1)], s_res)
             m_ref = max(block_max[b, h, r].max(), s[held].max(initial=-np.inf))
-            p = np.where(held, 2.0 ** (s - m_ref), 0.0)
+            p = 2.0 ** np.where(held, s - m_ref, -np.inf)
             np.testing.assert_allclose(m[b, h, r], m_ref, rtol=1e-6)
             np.testing.assert_allclose(l_sum[b, h, r], p.sum(), rtol=1e-5)
             o_ref = p @ rd(v_res[b, h])[tok % R]
             np.testing.assert_allclose(o[b, h, r], o_ref, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(o[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
 
 
 def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
@@ -394,11 +402,8 @@ def test_bad_tunings_are_named(fields, match):
 def test_fields_left_none_take_the_bit_widths_default(bits, slices, quads):
     default = GpuTuning()
     assert default.key_slices(bits) == slices and default.quads(bits) == quads
-    resolved = default.with_defaults(k_bits=bits, v_bits=bits)
-    assert resolved == dataclasses.replace(default, score_slices=slices, value_quads=quads)
-    assert resolved.num_splits is None  # chosen by the value kernel from the shape
     chosen = GpuTuning(score_slices=4, value_quads=4)
-    assert chosen.with_defaults(k_bits=bits, v_bits=bits) == chosen
+    assert chosen.key_slices(bits) == 4 and chosen.quads(bits) == 4
 
 
 def test_unsupported_configs_are_named():

@@ -1,4 +1,4 @@
-"""KIVI decode attention on CUDA cores: score and value kernels (Pallas, Triton lowering).
+"""KIVI decode attention on CUDA cores: score, tail and value kernels (Pallas, Triton lowering).
 
 One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_rep``)
 
@@ -34,9 +34,10 @@ Three kernels in a row, because the value side needs the softmax weights of ever
 before it starts and per-thread accumulators cannot afford an online-softmax rescale: the
 score kernel folds the query into each tile of key groups and writes the base-2 logits of the
 quantized keys (4 bytes per token and query head) and each program's maximum; the tail
-kernel takes the residual tail (the last R tokens, full-precision keys or values) and forms
-each row's max; the value kernel then reads the logits once, exponentiates against that max
-and accumulates. XLA only sums the value kernel's token splits with the tail at the end.
+kernel takes the residual tail (the last R tokens: full-precision values, and keys either
+quantized or, from Qk on, full-precision) and forms each row's max; the value kernel then
+reads the logits once, exponentiates against that max and accumulates. XLA only sums the
+value kernel's token splits with the tail at the end.
 With ``GpuTuning(score_folds_query=False)`` a fourth kernel, the query kernel, folds the
 query into every key group first and the score kernel reads its int8 parts (the default
 until the sixth round: 2 bytes per group channel written and read back, for less
@@ -159,7 +160,7 @@ class GpuTuning:
 
     def key_slices(self, k_bits: int) -> int:
         """score_slices, or if None the default for k_bits-bit keys: 2 at 2 bits (1 ran the
-        KIVI-2 step 2.5% slower) and 1 at 4 bits (the KIVI-4 step 2-3.5% faster than with 2
+        KIVI-2 step 2.7% slower) and 1 at 4 bits (the KIVI-4 step 2-3.5% faster than with 2
         in three sweeps; half the shared-memory stores per loop in a local build). H200
         sweeps, benchmarks/results/fold_in_score/ and tail_kernel/."""
         return self.score_slices or (2 if k_bits == 2 else 1)
@@ -168,12 +169,6 @@ class GpuTuning:
         """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
         kernel in 9% less time than with 8) and 8 at 4 bits (16 took 42% more)."""
         return self.value_quads or (16 if v_bits == 2 else 8)
-
-    def with_defaults(self, *, k_bits: int, v_bits: int) -> GpuTuning:
-        """This tuning with score_slices and value_quads set for these bit widths."""
-        return dataclasses.replace(
-            self, score_slices=self.key_slices(k_bits), value_quads=self.quads(v_bits)
-        )
 
 
 def supported_config_reason(
