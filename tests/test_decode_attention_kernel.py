@@ -283,6 +283,16 @@ def test_length_zero_row_interpret(rng):
     _check(q, cache, interpret=True, tuning=GpuTuning(score_rows=8, num_splits=1))
 
 
+def test_residual_length_not_a_power_of_two_interpret(rng):
+    """R = 96: the tail kernel's ring slots in 3 chunks of 32; final lengths 305, 97 (just past
+    R) and 5 (a row that started empty)."""
+    q, cache = _case(
+        rng, k_bits=2, v_bits=4, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
+        prompts=[300, 92, 0], steps=5, R=96,
+    )  # fmt: skip
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+
+
 def test_random_layout_state_interpret(rng):
     """Random codes, scales (some zero) and zero points written straight into the layout."""
     B, H, D, C, R, dtype = 3, 2, 64, 256, 64, jnp.bfloat16
@@ -463,3 +473,18 @@ def test_kernel_tunings_gpu(rng, tuning, bits):
         prompts=[4000, 3001, 129], steps=9, R=128,
     )  # fmt: skip
     _check(q, cache, interpret=False, tuning=tuning)
+
+
+@pytest.mark.gpu
+def test_residual_length_not_a_power_of_two_gpu(rng):
+    """R = 96: the tail kernel takes its ring slots in 3 chunks of 32 (every other GPU case has
+    R = 128, one chunk); final lengths 1007, 97 (just past R), 7 (a row that started empty)
+    and 407. Added after the seventh round's device time was spent: not yet run on the H200
+    (test_residual_length_not_a_power_of_two_interpret runs the same path on the CPU)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, cache = _case(
+        rng, k_bits=2, v_bits=4, D=128, n_rep=2, dtype=jnp.bfloat16, H=4, max_len=1100,
+        prompts=[1000, 90, 0, 400], steps=7, R=96,
+    )  # fmt: skip
+    _check(q, cache, interpret=False)
