@@ -414,6 +414,7 @@ def test_fields_left_none_take_the_bit_widths_default(bits, slices, quads):
     assert default.key_slices(bits) == slices and default.quads(bits) == quads
     chosen = GpuTuning(score_slices=4, value_quads=4)
     assert chosen.key_slices(bits) == 4 and chosen.quads(bits) == 4
+    assert GpuTuning(num_splits=None).num_splits is None  # chosen by the value kernel
 
 
 def test_unsupported_configs_are_named():
