@@ -35,7 +35,6 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     key_scores,
     quantize_query,
     score_tiles,
-    tail_attention,
     weighted_values,
 )
 
@@ -382,17 +381,17 @@ def bench_shape(
     return row
 
 
-KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "tail_kernel_us", "value_kernel_us")
+KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "value_kernel_us")
 # The kernels of `kernel_steps` that read logits: their steps take (state, random_logits(...)[i]).
-LOGIT_KERNELS = ("tail_kernel_us", "value_kernel_us")
+LOGIT_KERNELS = ("value_kernel_us",)
 
 
 def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     """{column of KERNEL_COLUMNS: step} for each kernel the tuning's step runs, alone, in the
     order the step runs them: the query kernel (only where `score_folds_query` is False) and
-    the score kernel (which then runs the query kernel first) as step(q, state), and the tail
-    and value kernels on random logits of the same shape (their cost does not depend on the
-    values) as step(q, (state, (logits, block_max)))."""
+    the score kernel (which then runs the query kernel first) as step(q, state), and the value
+    kernel (with the residual tail) on random logits of the same shape (its cost does not
+    depend on the values) as step(q, (state, (logits, block_max)))."""
     kw = dict(group_size=GROUP, interpret=False)
     q_scale = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
     split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
@@ -407,24 +406,19 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
                           state["lengths"], q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
                           tuning=tuning, **kw)[1]  # fmt: skip
 
-    def tail(q, state):
-        st, (logits, block_max) = state
-        return tail_attention(split(q), st["k_residual"], st["v_residual"], logits, block_max,
-                              st["lengths"], q_scale=q_scale, interpret=False)[1]  # fmt: skip
-
     def values(q, state):
         st, (logits, block_max) = state
-        m = jnp.max(block_max, axis=-1) + q[0, 0, 0].astype(jnp.float32)
-        return weighted_values(m, logits, st["v_codes"], st["v_scale"], st["v_zero"],
-                               st["lengths"], bits=bits, residual_length=RESIDUAL, tuning=tuning,
-                               **kw)[1]  # fmt: skip
+        return weighted_values(split(q), logits, block_max, st["v_codes"], st["v_scale"],
+                               st["v_zero"], st["k_residual"], st["v_residual"], st["lengths"],
+                               q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
+                               tuning=tuning, **kw)[1]  # fmt: skip
 
-    steps = {"score_kernel_us": scores, "tail_kernel_us": tail, "value_kernel_us": values}
+    steps = {"score_kernel_us": scores, "value_kernel_us": values}
     return steps if tuning.score_folds_query else {"query_kernel_us": query, **steps}
 
 
 def random_logits(key, s: Shape, n: int) -> list:
-    """n random score-kernel outputs for the tail and value kernels timed alone: float32 logits
+    """n random score-kernel outputs for the value kernel timed alone: float32 logits
     [B, H, n_rep, C] and their maxima per program of the default score tiles [B, H, n_rep, P]
     (computed here, outside the timed steps)."""
     shape = (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.context)
@@ -493,7 +487,6 @@ SWEEP = [
 KERNEL_NAMES = {
     "kivi_query": "query_kernel_us",
     "kivi_scores": "score_kernel_us",
-    "kivi_tail": "tail_kernel_us",
     "kivi_values": "value_kernel_us",
 }
 
@@ -616,9 +609,8 @@ def write_markdown(result: dict, path: Path) -> None:
             "kernel it runs first; where it does, no query kernel is timed. GPU time "
             "(host time where the record's `timing` says so).",
             "",
-            "| shape | bits | query kernel µs | score kernel µs | tail kernel µs "
-            "| value kernel µs |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| shape | bits | query kernel µs | score kernel µs | value kernel µs |",
+            "|---|---:|---:|---:|---:|",
         ]
         for r in result["kernels"]:
             alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in KERNEL_COLUMNS)
@@ -637,9 +629,9 @@ def write_markdown(result: dict, path: Path) -> None:
         ]
         lines.append(
             "| shape | bits | tuning | µs | % of peak | query kernel µs | score kernel µs "
-            "| tail kernel µs | value kernel µs | other kernels µs | idle µs |"
+            "| value kernel µs | other kernels µs | idle µs |"
         )
-        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"

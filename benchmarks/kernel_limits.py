@@ -4,8 +4,9 @@ arithmetic only (H200 or any CUDA GPU).
 The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
 through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times
 each kernel alone at one shape three ways, by swapping that function while the kernel is traced
-(the query and tail kernels, which have no loop, are timed once; the query kernel runs only
-with ``score_folds_query=False``):
+(the query kernel, which has no loop, is timed once and runs only with
+``score_folds_query=False``; the value kernel's short loop over its share of the residual tail
+is swapped too):
 
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
@@ -51,7 +52,7 @@ from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as bench  # the timing harness and random states
 
-NO_LOOP = ("query", "tail")  # kernels without a main loop to vary: timed `full` only
+NO_LOOP = ("query",)  # kernels without a main loop to vary: timed `full` only
 
 
 def _loads_only_loop(n_tiles, depth, load, compute, carry, live):
@@ -142,7 +143,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     for variant in VARIANTS:
         kernels = bench.kernel_runs(s, bits, tuning, qs, states, logits)
         for name, (fn, args) in kernels.items():
-            kernel = name.removesuffix("_kernel_us")  # "query", "score", "tail" or "value"
+            kernel = name.removesuffix("_kernel_us")  # "query", "score" or "value"
             if kernel in NO_LOOP and variant != "full":
                 continue
             try:
@@ -173,17 +174,16 @@ def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> i
     """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
     the query's int8 parts per group and query head; score kernel: the codes and the scales and
     zero points where it folds the query itself (folds_query), else (timed with the query
-    kernel it runs first) the query kernel's bytes, then the codes and the parts again; tail
-    kernel: the bf16 residual keys and values, and R logits of every query head; value
-    kernel: codes, bf16 scales and zero points, and the float32 logits of every query head."""
+    kernel it runs first) the query kernel's bytes, then the codes and the parts again; value
+    kernel: codes, bf16 scales and zero points, the float32 logits of every query head, and
+    the bf16 residual keys and values (the tail)."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
     parts = n_rep * 2 * c * d // bench.GROUP  # the query's two int8 parts per group channel
     per_kernel = {
         "query": params + parts,
-        "tail": 2 * 2 * bench.RESIDUAL * d + n_rep * 4 * bench.RESIDUAL,
         "score": codes + params if folds_query else params + parts + codes + parts,
-        "value": codes + params + 4 * c * n_rep,
+        "value": codes + params + 4 * c * n_rep + 2 * 2 * bench.RESIDUAL * d,
     }
     return bh * per_kernel[kernel]
 

@@ -3,7 +3,7 @@
 Nsight Compute (``ncu``) reads the hardware counters of every kernel it is told to profile;
 this script only provides the launches: for each shape and bit width it runs the score kernel
 (which runs the query kernel first where ``score_folds_query`` is False, the query kernel
-also being launched on its own then), and the tail and value kernels (on random logits)
+also being launched on its own then), and the value kernel (on random logits)
 twice (the first launch compiles and warms up; ``kernel_profile_summary.py`` lists every
 launch, so the later of each pair is the warm one).
 

@@ -40,7 +40,7 @@ CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (time
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """{"query": ..., "score": ..., "tail": ..., "value": ...}: the kernels' Triton modules as
+    """{"query": ..., "score": ..., "value": ..., "tail": ...}: the kernels' Triton modules as
     text, captured during lowering for CUDA (in the order the step runs them; no "query" where
     the score kernel folds the query itself)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
@@ -78,7 +78,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     finally:
         lowering.lower_jaxpr_to_triton_module = original
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    names = ("score", "tail", "value")
+    names = ("score", "value")
     names = names if tuning.score_folds_query else ("query", *names)
     return dict(zip(names, (str(c.module) for c in captured), strict=True))
 

@@ -46,7 +46,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _parts_unit,
     _words,
     quantize_query,
-    tail_attention,
+    weighted_values,
 )
 
 import kivi_jax
@@ -146,45 +146,57 @@ def test_query_parts_reconstruct_the_folded_query(rng):
     np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
 
 
-def test_tail_kernel_matches_its_definition(rng):
-    """tail_attention over the R tokens [Pv, Pv + R) of each row: logit from the score kernel's
-    output where t < Qk, else q . k_residual at ring slot t % R; the row's max m with the
-    score programs' maxima; sum_t 2**(s_t - m) v_t and sum_t 2**(s_t - m) over t < length.
-    R = 48 (not a power of two), 12 score programs per row (read 4 at a time), rings at
-    several rotations; as the score kernel leaves them, logits past Qk are garbage (NaN) and
-    a row without quantized keys has program maxima of -1e30."""
-    B, H, n_rep, D, R, C, P = 5, 2, 2, 64, 48, 144, 12
-    lengths = np.array([0, 20, 48, 100, 130], np.int32)  # Pv: 0, 0, 0, 52, 82
+def test_value_kernel_splits_share_the_tail(rng):
+    """weighted_values, per token split s (64 tokens each here) of every row: its share of the
+    residual tail, the R tokens [Pv, Pv + R) at ring slot t % R, is chunks s, s + S, ... of
+    n slots (logit from the score kernel's output where t < Qk, else q . k_residual); its max
+    m is the larger of the row's score-program maxima and its tail logits; then the sums of
+    2**(s_t - m) v_t over its tail share, and of 2**(s_t - m) over it and the split's
+    quantized values [64 s, 64 s + 64) within [0, Pv). R = 48 (not a power of two: 3 chunks
+    of 16 over 4 splits, so split 3 has none), rings at several rotations; as the score kernel
+    leaves them, logits past Qk are garbage (NaN) and a row without quantized keys has
+    program maxima of -1e30."""
+    B, H, n_rep, D, G, R, C, P, n, S = 5, 2, 2, 64, 16, 48, 256, 4, 16, 4
+    lengths = np.array([0, 20, 48, 100, 200], np.int32)  # Pv: 0, 0, 0, 52, 152
     q = rng.normal(size=(B, H, n_rep, D)).astype(np.float32)
     k_res, v_res = (rng.normal(size=(B, H, R, D)).astype(np.float32) for _ in range(2))
     scores = rng.normal(size=(B, H, n_rep, C)).astype(np.float32) * 3
-    block_max = rng.normal(size=(B, H, n_rep, P)).astype(np.float32)
+    block_max = rng.normal(size=(B, H, n_rep, P)).astype(np.float32) + 4
     for b, length in enumerate(lengths):
         qk = length - length % R
         scores[b, ..., qk:] = np.nan
         if qk == 0:
             block_max[b] = -1e30
+    v_codes = jnp.asarray(rng.integers(0, 256, (B, H, C, D // 2), dtype=np.uint8))
+    v_scale, v_zero = (jnp.asarray(rng.normal(size=(B, H, C, D // G)), jnp.bfloat16) for _ in "sz")
     q_scale = 0.2
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    m, o, l_sum = tail_attention(
-        bf(q), bf(k_res), bf(v_res), jnp.asarray(scores), jnp.asarray(block_max),
-        jnp.asarray(lengths), q_scale=q_scale, interpret=True,
+    tuning = GpuTuning(value_quads=4, value_chain=1, num_splits=S, tail_slots=n)
+    m, _, o_tail, l_sum = weighted_values(
+        bf(q), jnp.asarray(scores), jnp.asarray(block_max), v_codes, v_scale, v_zero,
+        bf(k_res), bf(v_res), jnp.asarray(lengths), q_scale=q_scale, bits=4, group_size=G,
+        residual_length=R, tuning=tuning, interpret=True,
     )  # fmt: skip
+    assert m.shape == l_sum.shape == (B, H, n_rep, S) and o_tail.shape == (B, H, n_rep, S, D)
     rd = lambda x: np.asarray(bf(x), np.float64)  # the kernel reads bfloat16 operands
     for b, length in enumerate(lengths):
         qk, pv = length - length % R, max(length - R, 0)
-        tok = np.arange(pv, pv + R)
-        held = tok < length
-        for h, r in itertools.product(range(H), range(n_rep)):
-            s_res = rd(k_res[b, h])[tok % R] @ (rd(q[b, h, r]) * q_scale)
+        for h, r, split in itertools.product(range(H), range(n_rep), range(S)):
+            slot = np.array([c * n + i for c in range(split, R // n, S) for i in range(n)], int)
+            tok = pv + (slot - pv) % R  # the token at each ring slot
+            s_res = rd(k_res[b, h])[slot] @ (rd(q[b, h, r]) * q_scale)
             s = np.where(tok < qk, scores[b, h, r, np.minimum(tok, C - 1)], s_res)
+            held = tok < length
             m_ref = max(block_max[b, h, r].max(), s[held].max(initial=-np.inf))
             p = 2.0 ** np.where(held, s - m_ref, -np.inf)
-            np.testing.assert_allclose(m[b, h, r], m_ref, rtol=1e-6)
-            np.testing.assert_allclose(l_sum[b, h, r], p.sum(), rtol=1e-5)
-            o_ref = p @ rd(v_res[b, h])[tok % R]
-            np.testing.assert_allclose(o[b, h, r], o_ref, rtol=1e-5, atol=1e-5)
-    assert not np.asarray(o[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
+            quantized = scores[b, h, r, 64 * split : min(64 * split + 64, pv)]
+            np.testing.assert_allclose(m[b, h, r, split], m_ref, rtol=1e-6)
+            np.testing.assert_allclose(
+                l_sum[b, h, r, split], p.sum() + (2.0 ** (quantized - m_ref)).sum(), rtol=1e-5
+            )
+            o_ref = p @ rd(v_res[b, h])[slot] if slot.size else np.zeros(D)
+            np.testing.assert_allclose(o_tail[b, h, r, split], o_ref, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(o_tail[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
 
 
 def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):

@@ -1,4 +1,4 @@
-"""KIVI decode attention on CUDA cores: score, tail and value kernels (Pallas, Triton lowering).
+"""KIVI decode attention on CUDA cores: a score and a value kernel (Pallas, Triton lowering).
 
 One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_rep``)
 
@@ -30,14 +30,15 @@ arrays are reinterpreted by an XLA bitcast, no copy).
   same int32 sums in one iteration (no data leaves the thread); the sums are then scaled into
   per-thread float32 accumulators, reduced over tokens once, at the end of the program.
 
-Three kernels in a row, because the value side needs the softmax weights of every token
+Two kernels in a row, because the value side needs the softmax weights of every token
 before it starts and per-thread accumulators cannot afford an online-softmax rescale: the
 score kernel folds the query into each tile of key groups and writes the base-2 logits of the
-quantized keys (4 bytes per token and query head) and each program's maximum; the tail
-kernel takes the residual tail (the last R tokens: full-precision values, and keys either
-quantized or, from Qk on, full-precision) and forms each row's max; the value kernel then
-reads the logits once, exponentiates against that max and accumulates. XLA only sums the
-value kernel's token splits with the tail at the end.
+quantized keys (4 bytes per token and query head) and each program's maximum; each program
+of the value kernel (a token split of a row) first takes its share of the residual tail (the
+last R tokens: full-precision values, and keys either quantized or, from Qk on,
+full-precision), then reads its split's logits once, exponentiates against the larger of the
+row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
+softmaxes at the end.
 With ``GpuTuning(score_folds_query=False)`` a fourth kernel, the query kernel, folds the
 query into every key group first and the score kernel reads its int8 parts (the default
 until the sixth round: 2 bytes per group channel written and read back, for less
@@ -52,10 +53,11 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.60x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.48x). With GQA every query head has its own
-score and value programs, which read the KV head's words in turn (through L2): at Llama-3-8B
-heads (4 query heads per KV head) the kernels run 0.79-1.02x cuDNN's speed.
+Measured on an H200 (docs/performance.md, GPU time): 3.58x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.47x; 380.6 and 262.8 µs a step). With GQA
+every query head has its own score and value programs, which read the KV head's words in turn
+(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.79-1.00x
+cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -106,17 +108,21 @@ class GpuTuning:
       rounding).
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
+    tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
+      (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
+      token splits in turn). 16: at 8 x 32k, 32 ran the value kernel 4% slower at 2 bits
+      and 1% at 4 bits (benchmarks/results/tail_share/).
 
     score_slices and value_quads left None take the default of the key and value bit width
     (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at
     2 bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads
-    (docs/performance.md; benchmarks/results/fold_in_score/ and tail_kernel/): the score
-    kernel folds the query (at 2 bits the step ran 7% faster than with the query kernel, at 4
-    bits with 2 slices per key row 6% faster), one-warp programs for keys and values (the
-    value kernel's layout conversions are then shuffles), loads one tile ahead (in the fifth
-    round two ran the score and value kernels 13-17% slower, with 221 and 255 registers
-    instead of 128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with
-    1 it ran 14-30% slower).
+    (docs/performance.md; benchmarks/results/fold_in_score/, tail_kernel/, tail_share/):
+    the score kernel folds the query (at 2 bits the step ran 7% faster than with the query
+    kernel, at 4 bits with 2 slices per key row 6% faster), one-warp programs for keys and
+    values (the value kernel's layout conversions are then shuffles), loads one tile ahead (in
+    the fifth round two ran the score and value kernels 13-17% slower, with 221 and 255
+    registers instead of 128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x
+    slower, with 1 it ran 14-30% slower).
     """
 
     score_rows: int = 16
@@ -133,6 +139,7 @@ class GpuTuning:
     score_folds_query: bool = True
     num_splits: int | None = None
     target_programs: int = 8 * 132
+    tail_slots: int = 16
     num_stages: int = 2
 
     def __post_init__(self):
@@ -234,7 +241,7 @@ def _stack_fields(fields):
     return fields[0]
 
 
-def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live):
+def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live, ring=None):
     """carry = compute(k, load(k), carry) for k in [0, n_tiles), loads issued `depth` tiles ahead.
 
     Each step first issues the load of tile k + depth, then computes tile k, so a load has
@@ -246,9 +253,10 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live):
     body is unrolled `depth` times over a ring of tiles; the last round may run up to
     depth - 1 tiles past n_tiles, and the loads of the last `depth` steps go past it too:
     `load` must clamp such tiles into bounds, and `live` must be false for them or their
-    computation harmless.
+    computation harmless. `ring`: the first `depth` tiles, where the caller issued their loads
+    earlier (to overlap them with other work).
     """
-    ring = tuple(load(k) for k in range(depth))
+    ring = tuple(load(k) for k in range(depth)) if ring is None else ring
 
     def body(i, state):
         carry, ring = state
@@ -522,17 +530,86 @@ def _score_kernel(
     m_ref[()] = jnp.max(_pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
 
 
+def _row_max(bm_ref, chunk: int):
+    """Max of a row's score-program maxima bm_ref [P], read `chunk` (a power of two dividing
+    P) at a time; -1e30 where the row has no quantized keys. Returns a function that computes
+    it from the loads issued here (all of them, where there are at most 4 chunks)."""
+    P = bm_ref.shape[0]
+    if P // chunk <= 4:
+        parts = [bm_ref[pl.ds(i * chunk, chunk)] for i in range(P // chunk)]
+        return lambda: functools.reduce(jnp.maximum, [jnp.max(x) for x in parts], _NEG_INIT)
+    return lambda: lax.fori_loop(
+        0,
+        P // chunk,
+        lambda i, m: jnp.maximum(m, jnp.max(bm_ref[pl.ds(i * chunk, chunk)])),
+        jnp.float32(_NEG_INIT),
+    )
+
+
+def _tail_share(
+    length, q_ref, kr_ref, vr_ref, st_ref, *, split, splits, slots, q_scale, prefetch
+):  # fmt: skip
+    """A value-kernel program's share of the residual tail, the R tokens [Pv, Pv + R) at ring
+    slots t % R: chunks c = split, split + splits, ... (c < R / slots) of `slots` slots each.
+    Their logits (from the score kernel where t < Qk, else q . k_residual), with an online
+    softmax -> (m, sum 2**(s_t - m) v_t [D], sum 2**(s_t - m)), m their max (-1e30 if none).
+    q_ref [D], kr_ref / vr_ref [R, D] (the residual keys and values), st_ref [C] (logits)."""
+    R, D = kr_ref.shape
+    C = st_ref.shape[0]
+    n_chunks = R // slots
+    qk, pv = length - length % R, jnp.maximum(length - R, 0)
+    rot = pv % R  # the slot of token pv
+    q = q_ref[...].astype(jnp.float32)[None, :] * q_scale  # [1, D]
+
+    def chunk(i):
+        return jnp.minimum(split + i * splits, n_chunks - 1)  # past the last: masked below
+
+    def load(i):
+        c = pl.ds(chunk(i) * slots, slots)
+        return kr_ref[c, :], vr_ref[c, :]  # [slots, D] each
+
+    def compute(i, tile, carry):
+        m, o, l_sum = carry
+        k, v = tile
+        slot = chunk(i) * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0)
+        tok = pv - rot + slot + jnp.where(slot < rot, R, 0)  # pv + (slot - pv) mod R
+        s_res = jnp.sum(k.astype(jnp.float32) * q, axis=1)  # [slots]
+        s_quant = st_ref[jnp.minimum(tok, C - 1)]
+        held = (tok < length) & (split + i * splits < n_chunks)
+        logits = jnp.where(held, jnp.where(tok < qk, s_quant, s_res), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits))  # finite: m starts at -1e30
+        p = jnp.exp2(logits - m_new)  # 0 where the logit is -inf
+        scale = jnp.exp2(m - m_new)
+        o = o * scale + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+        return m_new, o, l_sum * scale + jnp.sum(p)
+
+    n_iter = pl.cdiv(n_chunks, splits)
+    carry = (jnp.float32(_NEG_INIT), jnp.zeros((D,), jnp.float32), jnp.float32(0.0))
+    return _pipelined_loop(n_iter, prefetch, load, compute, carry, lambda i: i < n_iter)
+
+
 def _value_kernel(
     len_ref,  # []                         int32
-    m_ref,  # []                           f32 global max of the query head's logits
+    bm_ref,  # [P]                         f32 max of each score program of the row
     s_ref,  # [C/4, 4]                     f32 logits (the score kernel's output), by quad
     vw_ref,  # [C/4, 4, n_ch, wpg]         int32 value words: quad, token, channel group, word
     vs_ref,  # [C/4, 4, n_ch]              value scale
     vz_ref,  # [C/4, 4, n_ch]              value zero point
-    o_ref,  # out [n_ch, wpg, 4, vpb]      f32 sum_t p_t v_t, channel ((ch*wpg + u)*4 + r)*vpb + j
-    l_ref,  # out []                       f32 sum_t p_t
+    q_ref,  # [D]                          the query (its dtype; times q_scale here)
+    kr_ref,  # [R, D]                      residual keys, token t at ring slot t % R
+    vr_ref,  # [R, D]                      residual values
+    st_ref,  # [C]                         f32 the logits again, flat
+    m_ref,  # out []                       f32 m: the program's max logit
+    o_ref,  # out [n_ch, wpg, 4, vpb]      f32 sum_t p_t v_t over the split's quantized values,
+    #                                          channel ((ch*wpg + u)*4 + r)*vpb + j
+    ot_ref,  # out [D]                     f32 sum_t p_t v_t over the program's tail share
+    l_ref,  # out []                       f32 sum_t p_t over both, p_t = 2**(s_t - m)
     *,
+    splits: int,
+    tail_slots: int,
+    q_scale: float,
     bits: int,
+    max_chunk: int,
     residual_length: int,
     quads: int,
     chain: int,
@@ -541,15 +618,22 @@ def _value_kernel(
     prefetch: int,
     interpret: bool,
 ):
+    """One token split of a row: its share of the residual tail (`_tail_share`), then the
+    split's quantized values [lo, hi) within [0, Pv), both against one max m: the larger of
+    the tail share's max and the row's max over its quantized keys (which cover every
+    quantized value: Pv <= Qk). The tail costs no kernel of its own and no program waits for
+    another; XLA merges the splits' partial softmaxes. The loads of the first value tiles and
+    of the score programs' maxima are issued before the tail share, so that their latencies
+    overlap its own."""
     C4, _, n_ch, wpg = vw_ref.shape
     vpb = 8 // bits
     length = len_ref[()]
+    split = pl.program_id(2)
     pv = jnp.maximum(length - residual_length, 0)
-    lo = pl.program_id(2) * tokens_per_split
+    lo = split * tokens_per_split
     step = 4 * quads * chain  # tokens per iteration
     hi = jnp.minimum(lo + tokens_per_split, pv)  # this split's quantized values: [lo, hi)
     n_tiles = jnp.clip(pl.cdiv(hi - lo, step), 0, tokens_per_split // step)
-    m = m_ref[()]
     shape = (quads, n_ch, wpg)
 
     def load(k):
@@ -563,6 +647,18 @@ def _value_kernel(
                 tuple((vw_ref[q, a], vs_ref[q, a], vz_ref[q, a], s_ref[q, a]) for a in range(4))
             )
         return tuple(tiles)
+
+    # The first value tiles and the row's maxima are loaded while the tail share is computed
+    # (against its own max, rescaled to m after).
+    ring = tuple(load(k) for k in range(prefetch))
+    row_max = _row_max(bm_ref, max_chunk)
+    m_tail, o_tail, l_tail = _tail_share(
+        length, q_ref, kr_ref, vr_ref, st_ref, split=split, splits=splits, slots=tail_slots,
+        q_scale=q_scale, prefetch=prefetch,
+    )  # fmt: skip
+    m = jnp.maximum(row_max(), m_tail)
+    ot_ref[...] = o_tail * jnp.exp2(m_tail - m)
+    l_tail = l_tail * jnp.exp2(m_tail - m)
 
     def compute(k, tile, carry):
         acc, pz, ls = list(carry[0]), carry[1], carry[2]
@@ -608,13 +704,14 @@ def _value_kernel(
         jnp.zeros((quads,), jnp.float32),
     )
     live = lambda k: lo + k * step < hi  # k < n_tiles
-    acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live)
+    acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live, ring)
     pz = jnp.sum(pz, axis=0)[:, None]  # [n_ch, 1]
     for r in range(4):
         for j in range(vpb):
             a = jnp.sum(acc[r * vpb + j], axis=0)  # [n_ch, wpg]
             o_ref[:, :, r, j] = a * 2.0 ** (-bits * j) + pz
-    l_ref[()] = jnp.sum(ls)
+    l_ref[()] = jnp.sum(ls) + l_tail
+    m_ref[()] = m
 
 
 def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
@@ -691,115 +788,19 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
 
 
-def _tail_kernel(
-    len_ref,  # []          int32
-    q_ref,  # [D]           the query (its dtype; times q_scale here)
-    kr_ref,  # [R, D]       residual keys, token t at ring slot t % R
-    vr_ref,  # [R, D]       residual values
-    s_ref,  # [C]           f32 logits of the quantized keys (the score kernel's, t < Qk)
-    bm_ref,  # [P]          f32 max of each score program
-    m_ref,  # out []        f32 max logit of the row
-    o_ref,  # out [D]       f32 sum over the tail of 2**(s_t - m) v_t
-    l_ref,  # out []        f32 sum over the tail of 2**(s_t - m)
-    *,
-    q_scale: float,
-    slots: int,
-    max_chunk: int,
-):
-    """The residual tail, the R tokens [Pv, Pv + R): their logits (from the score kernel where
-    t < Qk, else q . k_residual), the row's max (with the score programs' maxima) and the
-    tail's weighted values. Ring slots are taken `slots` at a time (R need not be a power of
-    two); every load is issued before the arithmetic, so that their latencies overlap."""
-    R, D = kr_ref.shape
-    C, P = s_ref.shape[0], bm_ref.shape[0]
-    chunks = [pl.ds(c * slots, slots) for c in range(R // slots)]
-    keys = [kr_ref[c, :] for c in chunks]  # [slots, D] each
-    values = [vr_ref[c, :] for c in chunks]
-    length = len_ref[()]
-    qk, pv = length - length % R, jnp.maximum(length - R, 0)
-    rot = pv % R  # the slot of token pv
-    slot = [c * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0) for c in range(len(chunks))]
-    tok = [pv - rot + x + jnp.where(x < rot, R, 0) for x in slot]  # pv + (slot - pv) mod R
-    s_quant = [s_ref[jnp.minimum(t, C - 1)] for t in tok]
-    m = lax.fori_loop(
-        0,
-        P // max_chunk,
-        lambda i, m: jnp.maximum(m, jnp.max(bm_ref[pl.ds(i * max_chunk, max_chunk)])),
-        jnp.float32(_NEG_INIT),
-    )
-    q = q_ref[...].astype(jnp.float32)[None, :] * q_scale  # [1, D]
-    logits = []
-    for k, t, sq in zip(keys, tok, s_quant, strict=True):
-        s_res = jnp.sum(k.astype(jnp.float32) * q, axis=1)  # [slots]
-        logits.append(jnp.where(t < length, jnp.where(t < qk, sq, s_res), -jnp.inf))
-        m = jnp.maximum(m, jnp.max(logits[-1]))
-    o, l_sum = jnp.zeros((D,), jnp.float32), jnp.float32(0.0)
-    for v, s in zip(values, logits, strict=True):
-        p = jnp.exp2(s - m)  # 0 where s = -inf (m is finite)
-        o = o + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
-        l_sum = l_sum + jnp.sum(p)
-    m_ref[()] = m
-    o_ref[...] = o
-    l_ref[()] = l_sum
-
-
-def tail_attention(q, k_residual, v_residual, scores, block_max, lengths, *, q_scale,
-                   interpret):  # fmt: skip
-    """The tail kernel. q [B, H, n_rep, D], k_residual / v_residual [B, H, R, D], scores
-    [B, H, n_rep, C] and block_max [B, H, n_rep, P] (`key_scores`) -> the row's max logit
-    m [B, H, n_rep], and over the tail sum_t 2**(s_t - m) v_t [B, H, n_rep, D] and
-    sum_t 2**(s_t - m) [B, H, n_rep]."""
-    B, H, n_rep, D = q.shape
-    R, C, P, Hq = k_residual.shape[2], scores.shape[3], block_max.shape[3], H * n_rep
-    row = lambda b, h: (b, h, 0)
-    kv = pl.BlockSpec((None, None, R, D), lambda b, h: (b, h // n_rep, 0, 0))
-    m, o, l_sum = pl.pallas_call(
-        functools.partial(
-            _tail_kernel,
-            q_scale=q_scale,
-            slots=_pow2_divisor(R, 128),
-            max_chunk=_pow2_divisor(P, 1024),
-        ),
-        grid=(B, Hq),
-        in_specs=[
-            pl.BlockSpec((None,), lambda b, h: (b,)),
-            pl.BlockSpec((None, None, D), row),
-            kv,
-            kv,
-            pl.BlockSpec((None, None, C), row),
-            pl.BlockSpec((None, None, P), row),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None), lambda b, h: (b, h)),
-            pl.BlockSpec((None, None, D), row),
-            pl.BlockSpec((None, None), lambda b, h: (b, h)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hq), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hq, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hq), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
-        interpret=interpret,
-        name="kivi_tail",
-    )(
-        lengths,
-        q.reshape(B, Hq, D),
-        k_residual,
-        v_residual,
-        scores.reshape(B, Hq, C),
-        block_max.reshape(B, Hq, P),
-    )
-    return m.reshape(B, H, n_rep), o.reshape(B, H, n_rep, D), l_sum.reshape(B, H, n_rep)
-
-
-def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group_size,
-                    residual_length, tuning, interpret):  # fmt: skip
-    """The value kernel. m [B, H, n_rep] (max logit per row), scores [B, H, n_rep, C] ->
-    unnormalised sum_t 2**(s_t - m) v_t [B, H, n_rep, S, D] and sum_t 2**(s_t - m)
-    [B, H, n_rep, S] over the quantized values, per token split. One query head per program:
-    with GQA the n_rep heads of a KV head read its value words in turn (through L2)."""
+def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual,
+                    lengths, *, q_scale, bits, group_size, residual_length, tuning,
+                    interpret):  # fmt: skip
+    """The value kernel: S token splits per row, each a partial softmax over its quantized
+    values and its share of the residual tail against its own max (`_value_kernel`).
+    q [B, H, n_rep, D], scores [B, H, n_rep, C] and block_max [B, H, n_rep, P] (`key_scores`),
+    k_residual / v_residual [B, H, R, D] -> per split its max logit m [B, H, n_rep, S], the
+    sums of 2**(s_t - m) v_t over its quantized values [B, H, n_rep, S, D] and over its tail
+    share [B, H, n_rep, S, D], and the sum of 2**(s_t - m) over both [B, H, n_rep, S]. One
+    query head per program: with GQA the n_rep heads of a KV head read its value words in
+    turn (through L2)."""
     B, H, n_rep, C = scores.shape
+    P, R = block_max.shape[3], k_residual.shape[2]
     D = v_codes.shape[3] * (8 // bits)
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
@@ -816,11 +817,18 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
     steps_per_split = pl.cdiv(n_steps, S)
     S = pl.cdiv(n_steps, steps_per_split)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
-    o, l_sum = pl.pallas_call(
+    row = lambda b, h, s: (b, h, 0)
+    per_split = lambda b, h, s: (b, h, s)
+    residual = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
+    m, o, o_tail, l_sum = pl.pallas_call(
         functools.partial(
             _value_kernel,
+            splits=S,
+            tail_slots=_pow2_divisor(R, tuning.tail_slots),
+            q_scale=q_scale,
             bits=bits,
-            residual_length=residual_length,
+            max_chunk=_pow2_divisor(P, 1024),
+            residual_length=R,
             quads=quads,
             chain=chain,
             parts=tuning.value_parts,
@@ -831,20 +839,28 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
         grid=(B, Hq, S),
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None), lambda b, h, s: (b, h)),
+            pl.BlockSpec((None, None, P), row),
             pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, None, C // 4, 4, n_ch, wpg), lambda b, h, s: (*kv(b, h, s), 0)),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
+            pl.BlockSpec((None, None, D), row),
+            residual,
+            residual,
+            pl.BlockSpec((None, None, C), row),
         ],
         out_specs=[
+            pl.BlockSpec((None, None, None), per_split),
             pl.BlockSpec(
                 (None, None, None, n_ch, wpg, 4, vpb), lambda b, h, s: (b, h, s, 0, 0, 0, 0)
             ),
-            pl.BlockSpec((None, None, None), lambda b, h, s: (b, h, s)),
+            pl.BlockSpec((None, None, None, D), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None), per_split),
         ],
         out_shape=[
+            jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, S, n_ch, wpg, 4, vpb), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, S, D), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(
@@ -854,13 +870,22 @@ def weighted_values(m, scores, v_codes, v_scale, v_zero, lengths, *, bits, group
         name="kivi_values",
     )(
         lengths,
-        m.reshape(B, Hq),
+        block_max.reshape(B, Hq, P),
         scores.reshape(B, Hq, C // 4, 4),
         _words(v_codes).reshape(B, H, C // 4, 4, n_ch, wpg),
         v_scale.reshape(B, H, C // 4, 4, n_ch),
         v_zero.reshape(B, H, C // 4, 4, n_ch),
+        q.reshape(B, Hq, D),
+        k_residual,
+        v_residual,
+        scores.reshape(B, Hq, C),
     )
-    return o.reshape(B, H, n_rep, S, D), l_sum.reshape(B, H, n_rep, S)
+    return (
+        m.reshape(B, H, n_rep, S),
+        o.reshape(B, H, n_rep, S, D),
+        o_tail.reshape(B, H, n_rep, S, D),
+        l_sum.reshape(B, H, n_rep, S),
+    )
 
 
 @functools.partial(
@@ -916,16 +941,15 @@ def kivi_decode_attention_gpu(
         q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
         tuning=tuning, **common,
     )  # fmt: skip
-    m, o_tail, l_tail = tail_attention(
-        q, k_residual, v_residual, scores, block_max, lengths, q_scale=q_scale,
-        interpret=interpret,
+    m, o, o_tail, l_sum = weighted_values(
+        q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
+        q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
-    o, l_sum = weighted_values(
-        m, scores, v_codes, v_scale, v_zero, lengths, bits=v_bits, residual_length=R,
-        tuning=tuning, **common,
-    )  # fmt: skip
-    num = jnp.sum(o, axis=3) + o_tail  # [B, H, n_rep, D]
-    den = (jnp.sum(l_sum, axis=-1) + l_tail)[..., None]
+    # The splits' partial softmaxes rescaled to the largest max (-1e30 in a split without
+    # tokens: a weight of 0, or of 1 on all-zero sums where the whole row is empty).
+    w = jnp.exp2(m - jnp.max(m, axis=-1, keepdims=True))  # [B, H, n_rep, S]
+    num = jnp.sum(w[..., None] * (o + o_tail), axis=3)  # [B, H, n_rep, D]
+    den = jnp.sum(w * l_sum, axis=-1)[..., None]
     out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
     return out.reshape(B, Hq, D).astype(q.dtype)
 
