@@ -84,21 +84,23 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
 
 
 def hot_loop(sass: str) -> list[str]:
-    """The instructions (predicates stripped) of the first loop (a backward branch) in
-    cuobjdump output."""
+    """The instructions (predicates stripped) of the main loop in cuobjdump output: of the
+    loops (backward branches), the one with the most integer dot products (IDP; the value
+    kernel's loop over its tail share comes first and has none)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
     for addr, text in ins:
         m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            start, end = int(m.group(1), 16), addr
-            break
-    else:
+            start = int(m.group(1), 16)
+            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t) for a, t in ins if start <= a <= addr])
+    if not loops:
         raise ValueError("no loop found")
-    return [re.sub(r"^@!?U?P\w+\s+", "", t) for a, t in ins if start <= a <= end]
+    return max(loops, key=lambda loop: (sum(opcode(t) == "IDP" for t in loop), len(loop)))
 
 
 def opcode(instruction: str) -> str:

@@ -37,6 +37,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _byte_transpose,
+    _dp2a,
     _dp4a,
     _field_mask,
     _int8_parts,
@@ -107,6 +108,25 @@ def test_dp4a_is_the_byte_dot_product(rng):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.parametrize("high", [False, True])
+def test_dp2a_is_the_half_word_dot_product(rng, high):
+    """The interpret-mode IDP.2A: c + a's two signed 16-bit halves times b's unsigned bytes
+    0 and 1 (or, high, 2 and 3)."""
+    a = rng.integers(-(2**15), 2**15, (1000, 2), dtype=np.int16)
+    b = rng.integers(0, 256, (1000, 4), dtype=np.uint8)
+    c = rng.integers(-(2**20), 2**20, 1000, dtype=np.int32)
+    out = _dp2a(
+        jnp.asarray(a.view(np.int32)[:, 0]),
+        jnp.asarray(b.view(np.int32)[:, 0]),
+        jnp.asarray(c),
+        high=high,
+        interpret=True,
+    )
+    pair = b[:, 2:] if high else b[:, :2]
+    expected = c + (a.astype(np.int64) * pair.astype(np.int64)).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
 @pytest.mark.parametrize(("n", "bound"), [(1, 254), (2, 64516)])
 def test_int8_parts_reconstruct_within_their_bound(rng, n, bound):
     """n int8 parts of x against unit = max|x| / 127: unit / 254**(n-1) * (254**(n-1) hi + ...)
@@ -122,10 +142,11 @@ def test_int8_parts_reconstruct_within_their_bound(rng, n, bound):
     assert not any(np.asarray(p).any() for p in tiny)
 
 
-def test_query_parts_reconstruct_the_folded_query(rng):
-    """quantize_query: coef * (254 hi + lo) is within max_d |q_d s_gd| / 64516 of q_d s_gd in
-    every group and query head (hi, lo int8 bytes of channel 4w + r at byte r of word w), bias
-    is sum_d q_d z_gd, and a group of zero scales gives zero parts."""
+def test_query_words_reconstruct_the_folded_query(rng):
+    """quantize_query: coef * y is within max_d |q_d s_gd| / 65534 of q_d s_gd in every group
+    and query head (y int16: channels 4w, 4w + 1 in the halves of word w of the first set of
+    words, 4w + 2, 4w + 3 in the second), bias is sum_d q_d z_gd, and a group of zero scales
+    gives zero words."""
     B, H, n_rep, NG, D = 2, 2, 3, 16, 64
     qs = rng.normal(size=(B, H, n_rep, D)).astype(np.float32) * 3.0
     scale = np.abs(rng.normal(size=(B, H, NG, D))).astype(np.float32)
@@ -134,14 +155,15 @@ def test_query_parts_reconstruct_the_folded_query(rng):
     sc, ze = jnp.asarray(scale, jnp.bfloat16), jnp.asarray(zero, jnp.bfloat16)
     tuning = GpuTuning(query_program_groups=4)
     q8, cb = quantize_query(jnp.asarray(qs), sc, ze, tuning=tuning, interpret=True)
-    parts = np.asarray(q8).view(np.int8).astype(np.float64)  # [B, H, n_rep, NG, 2, D]
+    halves = np.asarray(q8).view(np.int16).reshape(B, H, n_rep, NG, 2, D // 4, 2)
+    y = halves.transpose(0, 1, 2, 3, 5, 4, 6).reshape(B, H, n_rep, NG, D).astype(np.float64)
     coef, bias = np.asarray(cb[:, :, :, 0]), np.asarray(cb[:, :, :, 1])
     folded = qs[:, :, :, None, :] * np.asarray(sc, np.float32)[:, :, None]  # [.., NG, D]
-    rebuilt = coef[..., None] * (254 * parts[..., 0, :] + parts[..., 1, :])
-    bound = np.abs(folded).max(axis=-1, keepdims=True) / 64516
+    rebuilt = coef[..., None] * y
+    bound = np.abs(folded).max(axis=-1, keepdims=True) / 65534
     assert np.all(np.abs(rebuilt - folded) <= bound * 1.01 + 1e-30)
-    assert np.abs(parts).max() <= 127
-    assert not parts[0, 1, :, 5].any()
+    assert np.abs(y).max() <= 32767
+    assert not y[0, 1, :, 5].any()
     z = np.asarray(ze, np.float32)
     np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
 

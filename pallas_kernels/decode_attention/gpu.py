@@ -14,18 +14,19 @@ arrays are reinterpreted by an XLA bitcast, no copy).
 
 * Keys (per-channel quantization, ``k = s_d c + z_d`` per group of G tokens):
   ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The score kernel forms (`_fold_query`),
-  per group and query head, ``q_d s_d`` as two int8 parts per channel (``coef * (254 hi +
-  lo)``, about 16 bits relative to the group's largest term) and the bias ``sum_d q_d z_d``.
-  A key word holds, in byte r, channel 4w + r of 8 // bits tokens; one AND with a mask
-  repeated in every byte keeps one token's code in each byte (``c * 2**(bits*j)``), and one
-  ``dp4a`` (IDP.4A) multiplies the 4 bytes by 4 int8 query parts and sums them into an exact
-  int32: 4 LOP3 and 8 IDP per 16 codes.
+  per group and query head, ``q_d s_d`` as one int16 per channel (``coef * y``, about 16 bits
+  relative to the group's largest term; two channels per int32 word) and the bias
+  ``sum_d q_d z_d``. A key word holds, in byte r, channel 4w + r of 8 // bits tokens; one
+  AND with a mask repeated in every byte keeps one token's code in each byte
+  (``c * 2**(bits*j)``), and two ``dp2a`` (IDP.2A, low and high byte pair) multiply the 4
+  bytes by the 4 channels' int16 query and sum them into one exact int32: 4 LOP3 and 8 IDP
+  per 16 codes.
 * Values (per-token quantization, ``v = s_t c + z_t`` per channel group):
   ``sum_t p_t v_td = sum_t (p_t s_t) c_td + sum_t p_t z_t``. IDP.4A again, now summing over
   4 tokens: the words of 4 consecutive tokens (a quad) are byte-transposed (8 PRMT), so that
   byte a of word r holds byte r of token a; the same masks as for keys leave one code of each
   of the 4 tokens per byte. The weights ``p_t s_t`` of a quad's 4 tokens are packed as int8
-  parts (two, as for the query: error at most 1/64516 of the largest weight in the set)
+  parts (two: error at most 1/64516 of the largest weight in the set)
   against the largest weight among the ``value_chain`` quads that a thread chains into the
   same int32 sums in one iteration (no data leaves the thread); the sums are then scaled into
   per-thread float32 accumulators, reduced over tokens once, at the end of the program.
@@ -39,8 +40,8 @@ last R tokens: full-precision values, and keys either quantized or, from Qk on,
 full-precision), then reads its split's logits once, exponentiates against the larger of the
 row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
 softmaxes at the end.
-With ``GpuTuning(score_folds_query=False)`` a fourth kernel, the query kernel, folds the
-query into every key group first and the score kernel reads its int8 parts (the default
+With ``GpuTuning(score_folds_query=False)`` a third kernel, the query kernel, folds the
+query into every key group first and the score kernel reads its int16 words (the default
 until the sixth round: 2 bytes per group channel written and read back, for less
 arithmetic in the score loop).
 
@@ -53,10 +54,10 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.58x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.47x; 380.6 and 262.8 µs a step). With GQA
+Measured on an H200 (docs/performance.md, GPU time): 3.64x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.48x; 257.7 and 378.4 µs a step). With GQA
 every query head has its own score and value programs, which read the KV head's words in turn
-(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.79-1.00x
+(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.83-1.05x
 cuDNN's speed.
 """
 
@@ -98,14 +99,14 @@ class GpuTuning:
     prefetch: tiles whose loads are issued ahead of the one being computed (score and value
       kernels).
     score_folds_query: the score kernel folds the query into each key group itself (reading
-      the key scales and zero points) instead of reading the query kernel's int8 parts
+      the key scales and zero points) instead of reading the query kernel's int16 words
       (which saves that kernel and its 2 bytes per group channel written and read back).
     value_parts: int8 parts that carry each value weight p_t s_t: 2 (error at most 1/64516 of
       the largest weight of its chain, finer than bfloat16) or 1 (at most 1/254 of it: about
       bfloat16's step for the largest weight, coarser for the rest; half the value kernel's
-      integer dot products). The folded query always has 2 parts (with 1, in a local build,
-      keys' outlier channels left the others too coarse: 26 times the error of bfloat16
-      rounding).
+      integer dot products). The folded query is always an int16 per channel (with one
+      int8 part, in a local build, keys' outlier channels left the others too coarse: 26
+      times the error of bfloat16 rounding).
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
     tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
@@ -300,6 +301,29 @@ def _dp4a(a, b, c, *, interpret: bool):
     return out
 
 
+def _dp2a(a, b, c, *, high: bool, interpret: bool):
+    """c + a_0 * b_k + a_1 * b_(k+1): a's two signed 16-bit halves times two of b's unsigned
+    bytes, k = 0 (bytes 0 and 1) or, with `high`, 2 (bytes 2 and 3).
+
+    On the GPU this is one instruction (IDP.2A); in interpret mode the same integer sum.
+    """
+    k = 2 if high else 0
+    if interpret:
+        for i in range(2):
+            a_i = lax.shift_right_arithmetic(lax.shift_left(a, 16 - 16 * i), 16)
+            b_i = lax.shift_right_logical(b, 8 * (k + i)) & 0xFF
+            c = c + a_i * b_i
+        return c
+    [out] = plgpu.elementwise_inline_asm(
+        f"dp2a.{'hi' if high else 'lo'}.s32.u32 $0, $1, $2, $3;",
+        args=[a, b, c],
+        constraints="=r,r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
+    )
+    return out
+
+
 def _prmt(a, b, selector: int, *, interpret: bool):
     """PRMT: byte i of the result is byte (selector >> 4i) & 7 of the 8 bytes of (b, a), a's
     bytes first (one instruction on the GPU; the same bytes in interpret mode)."""
@@ -378,51 +402,59 @@ def _join_parts(sums):
     return total
 
 
+_Q16 = 32767  # the folded query's int16 range
+
+
 def _fold_query(q, scales, zeros):
     """The query folded into n key groups' scales, slice by slice: q[s] [1, w, 4] f32 scaled
     query, scales[s] / zeros[s] [n, w, 4] (channel 4i + r of slice s at [.., i, r]) ->
-    (words, coef [n], bias [n]), words[part][s] int32 [n, w]: the hi (part 0) and lo parts of
-    q_d s_gd for channels 4i..4i+3 in the bytes of word i (see `quantize_query`)."""
+    (words, coef [n], bias [n]), words[half][s] int32 [n, w]: q_d s_gd as int16 (in units of
+    coef), channels 4i and 4i + 1 in the low and high half of word i of half 0, channels
+    4i + 2 and 4i + 3 in half 1 (see `quantize_query`)."""
     qk = [x * sc.astype(jnp.float32) for x, sc in zip(q, scales, strict=True)]  # q_d s_gd
     amax = functools.reduce(
         jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in qk]
     )  # [n]
-    unit = _int8_unit(amax)
-    byte_shift = 8 * lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
+    unit = jnp.where(amax > _TINY, amax / _Q16, 1.0)  # 1 where amax is ~0: zero halves
+    r = lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
     words = [[], []]
     for x in qk:
-        for part, y in enumerate(_int8_parts(x, unit[:, None, None], 2)):
-            words[part].append(jnp.sum((y & 0xFF) << byte_shift, axis=2))
+        y = jnp.floor(x * (1.0 / unit)[:, None, None] + 0.5).astype(jnp.int32)  # |y| <= 32767
+        y = (y & 0xFFFF) << (16 * (r % 2))
+        words[0].append(jnp.sum(jnp.where(r < 2, y, 0), axis=2))
+        words[1].append(jnp.sum(jnp.where(r < 2, 0, y), axis=2))
     qz = [x * z.astype(jnp.float32) for x, z in zip(q, zeros, strict=True)]  # q_d z_gd
     bias = functools.reduce(jnp.add, [jnp.sum(jnp.sum(x, axis=2), axis=1) for x in qz])
-    return words, unit / _parts_unit(2), bias
+    return words, unit, bias
 
 
 def _query_kernel(
     q_ref,  # [n_rep, W, 4]              f32 scaled queries, channel 4w + r at [h, w, r]
     ks_ref,  # [NG, W, 4]                key scales of NG groups
     kz_ref,  # [NG, W, 4]                key zero points
-    q8_ref,  # out [n_rep, NG, 2, W]     int32 hi and lo parts, channel 4w + r in byte r
+    q8_ref,  # out [n_rep, NG, 2, W]     int32 halves 0 and 1 (`_fold_query`)
     cb_ref,  # out [n_rep, 2, NG]        f32 coef and bias per group
 ):
-    """The query folded into each key group's scales, as two int8 parts per channel."""
+    """The query folded into each key group's scales, as one int16 per channel."""
     scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
     for h in range(q_ref.shape[0]):
         words, coef, bias = _fold_query([q_ref[h][None]], [scale], [zero])
-        for part in range(2):
-            q8_ref[h, :, part, :] = words[part][0]
+        for half in range(2):
+            q8_ref[h, :, half, :] = words[half][0]
         cb_ref[h, 0, :] = coef
         cb_ref[h, 1, :] = bias
 
 
 def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
-    """The scaled query folded into each key group, as two int8 parts per channel.
+    """The scaled query folded into each key group, as one int16 per channel.
 
     qs [B, H, n_rep, D] f32, k_scale / k_zero [B, H, NG, D] ->
-      q8 [B, H, n_rep, NG, 2, D // 4] int32: hi and lo of channels 4w..4w+3 in the bytes of w,
+      q8 [B, H, n_rep, NG, 2, D // 4] int32: y_gd of channels 4w and 4w + 1 in the low and
+      high half of word w of [.., 0, :], of channels 4w + 2 and 4w + 3 in [.., 1, :],
       cb [B, H, n_rep, 2, NG] f32: coef and bias, such that in every group g
-      q_d s_gd = coef_g * (254 hi_gd + lo_gd) + e_gd with |e_gd| <= max_d |q_d s_gd| / 64516
-      (about 16 bits, more than the bfloat16 query carries), and bias_g = sum_d q_d z_gd.
+      q_d s_gd = coef_g * y_gd + e_gd with |y_gd| <= 32767 and |e_gd| <= max_d |q_d s_gd| /
+      65534 (about 16 bits, more than the bfloat16 query carries), and bias_g =
+      sum_d q_d z_gd.
     """
     B, H, n_rep, D = qs.shape
     NG, W = k_scale.shape[2], D // 4
@@ -502,7 +534,7 @@ def _score_kernel(
         if fold_query:
             params = tuple(tuple(r[g, s] for s in range(nS)) for r in (ks_ref, kz_ref))
             return words, params
-        q8 = tuple(tuple(q8_ref[g, part, s, :] for s in range(nS)) for part in range(2))
+        q8 = tuple(tuple(q8_ref[g, half, s, :] for s in range(nS)) for half in range(2))
         return words, (q8, cb_ref[0, g], cb_ref[1, g])
 
     def compute(k, tile, m):
@@ -510,15 +542,15 @@ def _score_kernel(
         q8, coef, bias = _fold_query(q, *query) if fold_query else query
         shape = (n1, GB, ws)
         valid = (g_base + first_group(k) + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
-        q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in part] for part in q8]
+        q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in half] for half in q8]
         sc = []
         for j in range(kpb):
-            acc = [jnp.zeros(shape, jnp.int32) for _ in range(2)]  # sums of hi and lo parts
+            acc = jnp.zeros(shape, jnp.int32)  # |.| <= D * 32767 * 255 < 2**31 (D <= 128)
             for s in range(nS):
                 x = words[s] & _field_mask(j, bits)  # c * 2**(bits*j) in every byte
-                for part in range(2):
-                    acc[part] = _dp4a(x, q8[part][s], acc[part], interpret=interpret)
-            total = jnp.sum(_join_parts(acc), axis=2)  # [n1, GB]
+                for half in range(2):
+                    acc = _dp2a(q8[half][s], x, acc, high=half == 1, interpret=interpret)
+            total = jnp.sum(acc, axis=2)  # [n1, GB]
             scale = (coef * 2.0 ** (-bits * j))[:, None]
             sc.append(total.astype(jnp.float32) * scale + bias[:, None])
             m = jnp.maximum(m, jnp.where(valid, sc[j], _NEG_INIT))
@@ -946,8 +978,10 @@ def kivi_decode_attention_gpu(
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
     # The splits' partial softmaxes rescaled to the largest max (-1e30 in a split without
-    # tokens: a weight of 0, or of 1 on all-zero sums where the whole row is empty).
-    w = jnp.exp2(m - jnp.max(m, axis=-1, keepdims=True))  # [B, H, n_rep, S]
+    # tokens: a weight of 0, or of 1 on all-zero sums where the whole row is empty). The max
+    # as elementwise maxima of the S slices, not a reduction: so XLA fuses it into the merge.
+    top = functools.reduce(jnp.maximum, [m[..., s] for s in range(m.shape[-1])])
+    w = jnp.exp2(m - top[..., None])  # [B, H, n_rep, S]
     num = jnp.sum(w[..., None] * (o + o_tail), axis=3)  # [B, H, n_rep, D]
     den = jnp.sum(w * l_sum, axis=-1)[..., None]
     out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
