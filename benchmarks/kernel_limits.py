@@ -2,7 +2,7 @@
 arithmetic only (H200 or any CUDA GPU).
 
 The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
-through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live)``. This script times
+through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live, ring)``. This script times
 each kernel alone at one shape three ways, by swapping that function while the kernel is traced
 (the query kernel, which has no loop, is timed once and runs only with
 ``score_folds_query=False``; the value kernel's short loop over its share of the residual tail
@@ -55,7 +55,7 @@ import attention as bench  # the timing harness and random states
 NO_LOOP = ("query",)  # kernels without a main loop to vary: timed `full` only
 
 
-def _loads_only_loop(n_tiles, depth, load, compute, carry, live):
+def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
     """The kernel's loop and loads (each tile's loads issued ahead, as shipped), with `compute`
     replaced by folding each loaded array into a carry array with one add per element (an array
     of the carry's shape, or the loaded one summed over trailing axes until one matches)."""
@@ -76,19 +76,21 @@ def _loads_only_loop(n_tiles, depth, load, compute, carry, live):
                 x = jnp.sum(x, axis=-1)
         return jax.tree.unflatten(tree, leaves)
 
-    return _SHIPPED_LOOP(n_tiles, depth, load, fold, carry, live)
+    return _SHIPPED_LOOP(n_tiles, depth, load, fold, carry, live, ring)
 
 
-def _arith_only_loop(n_tiles, depth, load, compute, carry, live):
-    """The shipped loop computing every tile from tile 0, loaded once before the loop."""
-    tile0 = load(0)
+def _arith_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
+    """The shipped loop computing every tile from tile 0, loaded once before the loop (or
+    taken from the caller's early loads, `ring`)."""
+    tile0 = load(0) if ring is None else ring[0]
 
     def perturbed(k):
         tiny = jnp.float32(1e-30) * k  # a float no compiler can prove constant
         perturb = lambda x: x ^ k if x.dtype == jnp.int32 else x + tiny.astype(x.dtype)
         return jax.tree.map(perturb, tile0)
 
-    return _SHIPPED_LOOP(n_tiles, depth, perturbed, compute, carry, live)
+    ring = None if ring is None else tuple(perturbed(k) for k in range(depth))
+    return _SHIPPED_LOOP(n_tiles, depth, perturbed, compute, carry, live, ring)
 
 
 _SHIPPED_LOOP = gpu._pipelined_loop
@@ -172,14 +174,14 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
 
 def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> int:
     """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
-    the query's int8 parts per group and query head; score kernel: the codes and the scales and
+    the query's int16 words per group and query head; score kernel: the codes and the scales and
     zero points where it folds the query itself (folds_query), else (timed with the query
     kernel it runs first) the query kernel's bytes, then the codes and the parts again; value
     kernel: codes, bf16 scales and zero points, the float32 logits of every query head, and
     the bf16 residual keys and values (the tail)."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
-    parts = n_rep * 2 * c * d // bench.GROUP  # the query's two int8 parts per group channel
+    parts = n_rep * 2 * c * d // bench.GROUP  # the query's int16 per group channel: 2 bytes
     per_kernel = {
         "query": params + parts,
         "score": codes + params if folds_query else params + parts + codes + parts,

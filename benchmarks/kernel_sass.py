@@ -2,9 +2,10 @@
 
 jax lowers each Pallas kernel to Triton IR (lowering for "cuda" works on a CPU-only jaxlib);
 Triton's own compiler (`pip install triton`, which ships ptxas and cuobjdump) turns that IR into
-sm_90a machine code. The script counts the instructions of each kernel's main loop (the first
-loop with a backward branch), divides by the codes one thread handles per iteration, and
-reports registers and spills (ptxas -v).
+sm_90a machine code. The script counts the instructions of each kernel's main loop (of its
+loops, the one with the most integer dot products), divides by the codes one thread handles
+per iteration, and reports registers and spills (ptxas -v). The counts depend on the Triton
+version (`docs/performance.md` names the one behind `benchmarks/results/sass.md`).
 
     python benchmarks/kernel_sass.py --out benchmarks/results/sass.md
 
@@ -40,7 +41,7 @@ CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (time
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """{"query": ..., "score": ..., "value": ..., "tail": ...}: the kernels' Triton modules as
+    """{"query": ..., "score": ..., "value": ...}: the kernels' Triton modules as
     text, captured during lowering for CUDA (in the order the step runs them; no "query" where
     the score kernel folds the query itself)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration

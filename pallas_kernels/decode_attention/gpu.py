@@ -526,8 +526,8 @@ def _score_kernel(
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
-        """Tile k: key words per slice [n1, GB, ws], and either the query's two parts per slice
-        [n1, ws] with coef and bias [n1], or the key scales and zero points per slice
+        """Tile k: key words per slice [n1, GB, ws], and either the query's two int16 words per
+        slice [n1, ws] with coef and bias [n1], or the key scales and zero points per slice
         [n1, ws, 4]."""
         g = pl.ds(first_group(k), n1)
         words = tuple(kw_ref[g, :, s, :] for s in range(nS))
@@ -977,9 +977,11 @@ def kivi_decode_attention_gpu(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
-    # The splits' partial softmaxes rescaled to the largest max (-1e30 in a split without
-    # tokens: a weight of 0, or of 1 on all-zero sums where the whole row is empty). The max
-    # as elementwise maxima of the S slices, not a reduction: so XLA fuses it into the merge.
+    # The splits' partial softmaxes rescaled to the largest max. A split without tokens has
+    # zero sums (and m the row's quantized max, or -1e30 where the row has no quantized keys
+    # and the split no tail chunk); an empty row has m = -1e30 in every split, so weights of
+    # 1 on zero sums, and gives zeros below. The max as elementwise maxima of the S slices,
+    # not a reduction, so that XLA fuses it into the merge.
     top = functools.reduce(jnp.maximum, [m[..., s] for s in range(m.shape[-1])])
     w = jnp.exp2(m - top[..., None])  # [B, H, n_rep, S]
     num = jnp.sum(w[..., None] * (o + o_tail), axis=3)  # [B, H, n_rep, D]
