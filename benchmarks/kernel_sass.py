@@ -79,8 +79,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     finally:
         lowering.lower_jaxpr_to_triton_module = original
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    names = ("score", "value")
-    names = names if tuning.score_folds_query else ("query", *names)
+    names = ("score", "value") if tuning.score_folds_query else ("query", "score", "value")
     return dict(zip(names, (str(c.module) for c in captured), strict=True))
 
 

@@ -370,10 +370,11 @@ _Q_LO = 254  # the low part carries (u - hi) * 254, |.| <= 127: about 16 bits in
 _TINY = 1e-30  # below this a set's largest |x| counts as zero (1 / unit stays finite)
 
 
-def _int8_unit(amax):
-    """The unit of `_int8_parts` for values with |x| <= amax: amax / 127 (1 where amax is
-    below 1e-30, so that such values give zero parts and 1 / unit stays finite)."""
-    return jnp.where(amax > _TINY, amax / _Q_HI, 1.0)
+def _int8_unit(amax, top: int = _Q_HI):
+    """The unit that maps values with |x| <= amax onto integers of at most `top` (127: the
+    high part of `_int8_parts`; the folded query's int16 takes 32767): amax / top (1 where
+    amax is below 1e-30, so that such values give zeros and 1 / unit stays finite)."""
+    return jnp.where(amax > _TINY, amax / top, 1.0)
 
 
 def _int8_parts(x, unit, n: int):
@@ -415,7 +416,7 @@ def _fold_query(q, scales, zeros):
     amax = functools.reduce(
         jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in qk]
     )  # [n]
-    unit = jnp.where(amax > _TINY, amax / _Q16, 1.0)  # 1 where amax is ~0: zero halves
+    unit = _int8_unit(amax, _Q16)
     r = lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
     words = [[], []]
     for x in qk:
