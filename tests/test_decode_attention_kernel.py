@@ -441,6 +441,7 @@ def test_dispatch(rng):
         ({"score_folds_query": 1}, "score_folds_query must be a bool"),
         ({"score_slices": 0}, "score_slices must be a positive int"),
         ({"value_quads": 0}, "value_quads must be a positive int"),
+        ({"tail_slots": 0}, "tail_slots must be a positive int"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):
