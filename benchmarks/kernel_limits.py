@@ -233,9 +233,11 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--gqa", action="store_true", help="also Llama-3-8B heads (GQA 4)")
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--tuning", type=json.loads, default={}, help="GpuTuning fields as JSON")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    tuning = GpuTuning()
+    tuning = GpuTuning(**args.tuning)
     shapes = [s for s in bench.SHAPES if (s.batch, s.context) == (8, 32768)]
     shapes = shapes if args.gqa else shapes[:1]
     clock = ClockSampler()
@@ -248,7 +250,7 @@ def main(argv=None) -> None:
         "rows": [],
     }
     for s in shapes:
-        for bits in (2, 4):
+        for bits in args.bits:
             result["rows"] += measure(
                 s, bits, tuning, calls=args.calls, repeats=args.repeats, clock=clock
             )
