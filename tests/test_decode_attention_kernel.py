@@ -168,13 +168,15 @@ def test_query_words_reconstruct_the_folded_query(rng):
     np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
 
 
-def test_value_kernel_splits_share_the_tail(rng):
+@pytest.mark.parametrize("interleave", [True, False])
+def test_value_kernel_splits_share_the_tail(rng, interleave):
     """weighted_values, per token split s (64 tokens each here) of every row: its share of the
     residual tail, the R tokens [Pv, Pv + R) at ring slot t % R, is chunks s, s + S, ... of
     n slots (logit from the score kernel's output where t < Qk, else q . k_residual); its max
     m is the larger of the row's score-program maxima and its tail logits; then the sums of
-    2**(s_t - m) v_t over its tail share and over the split's quantized values [64 s, 64 s +
-    64) within [0, Pv), and of 2**(s_t - m) over both. R = 48 (not a power of two: 3 chunks
+    2**(s_t - m) v_t over its tail share and over the split's quantized values within [0, Pv)
+    (interleaved: the row's 16-token tiles s, s + S, ...; else [64 s, 64 s + 64)), and of
+    2**(s_t - m) over both. R = 48 (not a power of two: 3 chunks
     of 16 over 4 splits, so split 3 has none), rings at several rotations; as the score kernel
     leaves them, logits past Qk are garbage (NaN), the program maxima bound the quantized
     logits (one of them attains it) and a row without quantized keys has maxima of -1e30."""
@@ -195,7 +197,9 @@ def test_value_kernel_splits_share_the_tail(rng):
     v_scale, v_zero = (jnp.asarray(rng.normal(size=(B, H, C, D // G)), jnp.bfloat16) for _ in "sz")
     q_scale = 0.2
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    tuning = GpuTuning(value_quads=4, value_chain=1, num_splits=S, tail_slots=n)
+    tuning = GpuTuning(
+        value_quads=4, value_chain=1, num_splits=S, tail_slots=n, value_interleave=interleave
+    )  # 16-token tiles
     m, o, o_tail, l_sum = weighted_values(
         bf(q), jnp.asarray(scores), jnp.asarray(block_max), v_codes, v_scale, v_zero,
         bf(k_res), bf(v_res), jnp.asarray(lengths), q_scale=q_scale, bits=4, group_size=G,
@@ -215,7 +219,9 @@ def test_value_kernel_splits_share_the_tail(rng):
             held = tok < length
             m_ref = max(block_max[b, h, r].max(), s[held].max(initial=-np.inf))
             p = 2.0 ** np.where(held, s - m_ref, -np.inf)
-            span = slice(64 * split, max(min(64 * split + 64, pv), 64 * split))
+            tile = np.arange(C) // 16
+            mine = tile % S == split if interleave else tile // (C // 16 // S) == split
+            span = np.flatnonzero(mine & (np.arange(C) < pv))
             p_quant = 2.0 ** (scores[b, h, r, span].astype(np.float64) - m_ref)
             np.testing.assert_allclose(m[b, h, r, split], m_ref, rtol=1e-6)
             np.testing.assert_allclose(l_sum[b, h, r, split], p.sum() + p_quant.sum(), rtol=1e-5)
@@ -372,6 +378,7 @@ def test_random_layout_state_interpret(rng):
             value_chain=2,
             num_splits=5,
         ),
+        GpuTuning(value_quads=2, num_splits=3, value_interleave=False),  # contiguous splits
         GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2),
         GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
         GpuTuning(value_parts=1, value_quads=4, value_warps=2, num_splits=3),

@@ -54,11 +54,11 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.64x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.48x; 257.7 and 378.4 µs a step). With GQA
-every query head has its own score and value programs, which read the KV head's words in turn
-(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.83-1.05x
-cuDNN's speed.
+Measured on an H200 (docs/performance.md, GPU time): 3.73x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.53x; 257.7 and 380.4 µs a step against 962.2;
+3.64x and 2.48x on H200s where cuDNN ran 936-939 µs). With GQA every query head has its own
+score and value programs, which read the KV head's words in turn (through L2): at Llama-3-8B
+heads (4 query heads per KV head) the kernels run 0.84-1.08x cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ class GpuTuning:
       is the largest weight among those 4 * value_chain tokens).
     prefetch: tiles whose loads are issued ahead of the one being computed (score and value
       kernels).
+    value_interleave: a row's value splits take its tiles in turn (tile k of split s is the
+      row's tile k * splits + s), so that they walk neighbouring tiles together, instead of
+      one contiguous range each (H200, 8 x 32k: value kernel 0.8% faster at 4 bits, 1.1% at
+      2 bits; benchmarks/results/ninth_round/).
     score_folds_query: the score kernel folds the query into each key group itself (reading
       the key scales and zero points) instead of reading the query kernel's int16 words
       (which saves that kernel and its 2 bytes per group channel written and read back).
@@ -136,6 +140,7 @@ class GpuTuning:
     value_chain: int = 2
     value_warps: int = 1
     prefetch: int = 1
+    value_interleave: bool = True
     value_parts: int = 2
     score_folds_query: bool = True
     num_splits: int | None = None
@@ -148,7 +153,7 @@ class GpuTuning:
             v = getattr(self, f.name)
             if v is None and f.name in ("score_slices", "value_quads", "num_splits"):
                 continue
-            if f.name == "score_folds_query":
+            if f.name in ("score_folds_query", "value_interleave"):
                 if not isinstance(v, bool):
                     raise ValueError(f"GpuTuning.{f.name} must be a bool, got {v!r}")
                 continue
@@ -648,11 +653,12 @@ def _value_kernel(
     chain: int,
     parts: int,
     tokens_per_split: int,
+    interleave: bool,
     prefetch: int,
     interpret: bool,
 ):
     """One token split of a row: its share of the residual tail (`_tail_share`), then the
-    split's quantized values [lo, hi) within [0, Pv), both against one max m: the larger of
+    split's tiles of quantized values within [0, Pv), both against one max m: the larger of
     the tail share's max and the row's max over its quantized keys (which cover every
     quantized value: Pv <= Qk). The tail costs no kernel of its own and no program waits for
     another; XLA merges the splits' partial softmaxes. The loads of the first value tiles and
@@ -663,16 +669,22 @@ def _value_kernel(
     length = len_ref[()]
     split = pl.program_id(2)
     pv = jnp.maximum(length - residual_length, 0)
-    lo = split * tokens_per_split
     step = 4 * quads * chain  # tokens per iteration
-    hi = jnp.minimum(lo + tokens_per_split, pv)  # this split's quantized values: [lo, hi)
-    n_tiles = jnp.clip(pl.cdiv(hi - lo, step), 0, tokens_per_split // step)
+    if interleave:
+        # Tile k of this split is tile k * splits + split of the row: the row's splits walk
+        # neighbouring tiles together.
+        tile_start = lambda k: (k * splits + split) * step
+        n_tiles = jnp.clip(pl.cdiv(pl.cdiv(pv, step) - split, splits), 0, tokens_per_split // step)
+    else:
+        lo = split * tokens_per_split
+        tile_start = lambda k: lo + k * step
+        n_tiles = jnp.clip(pl.cdiv(pv - lo, step), 0, tokens_per_split // step)
     shape = (quads, n_ch, wpg)
 
     def load(k):
         """Tile k: per sub-tile and token of a quad, the words, scales, zero points and logits
         (quads clamped into the capacity: a tile past the split is loaded, not used)."""
-        i0 = jnp.minimum((lo + k * step) // 4, C4 - step // 4)
+        i0 = jnp.minimum(tile_start(k) // 4, C4 - step // 4)
         tiles = []
         for c in range(chain):
             q = pl.ds(i0 + c * quads, quads)
@@ -698,10 +710,10 @@ def _value_kernel(
         quad = lax.broadcasted_iota(jnp.int32, (quads,), 0)
         w = []  # w[c][a] [quads, n_ch]: p_t s_t of token a of each quad of sub-tile c
         for c, sub in enumerate(tile):
-            t0 = lo + k * step + 4 * quads * c
+            t0 = tile_start(k) + 4 * quads * c
             w.append([])
             for a, (_, vs, vz, logits) in enumerate(sub):
-                p = jnp.where(t0 + 4 * quad + a < hi, jnp.exp2(logits - m), 0.0)  # [quads]
+                p = jnp.where(t0 + 4 * quad + a < pv, jnp.exp2(logits - m), 0.0)  # [quads]
                 w[c].append(p[:, None] * vs.astype(jnp.float32))
                 pz = pz + p[:, None] * vz.astype(jnp.float32)
                 ls = ls + p
@@ -736,7 +748,7 @@ def _value_kernel(
         jnp.zeros((quads, n_ch), jnp.float32),
         jnp.zeros((quads,), jnp.float32),
     )
-    live = lambda k: lo + k * step < hi  # k < n_tiles
+    live = lambda k: tile_start(k) < pv  # k < n_tiles
     acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live, ring)
     pz = jnp.sum(pz, axis=0)[:, None]  # [n_ch, 1]
     for r in range(4):
@@ -866,6 +878,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             chain=chain,
             parts=tuning.value_parts,
             tokens_per_split=steps_per_split * step,
+            interleave=tuning.value_interleave,
             prefetch=tuning.prefetch,
             interpret=interpret,
         ),
