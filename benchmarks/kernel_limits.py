@@ -26,6 +26,7 @@ it is close to their sum, they do not overlap. A background sampler records the 
 (nvidia-smi) during each timing, which turns times into cycles.
 
     python benchmarks/kernel_limits.py --out benchmarks/results
+    python benchmarks/kernel_limits.py --out DIR --bits 4 --tuning '{"prefetch": 2}'
 
 writes kernel_limits.json and kernel_limits.md.
 """
@@ -233,7 +234,7 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--gqa", action="store_true", help="also Llama-3-8B heads (GQA 4)")
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--bits", type=int, nargs="+", choices=[2, 4], default=[2, 4])
     p.add_argument("--tuning", type=json.loads, default={}, help="GpuTuning fields as JSON")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -168,18 +168,20 @@ def test_query_words_reconstruct_the_folded_query(rng):
     np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_value_kernel_splits_share_the_tail(rng, interleave):
+@pytest.mark.parametrize(("interleave", "prefetch"), [(True, 1), (False, 1), (True, 3), (False, 3)])
+def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
     """weighted_values, per token split s (64 tokens each here) of every row: its share of the
     residual tail, the R tokens [Pv, Pv + R) at ring slot t % R, is chunks s, s + S, ... of
     n slots (logit from the score kernel's output where t < Qk, else q . k_residual); its max
     m is the larger of the row's score-program maxima and its tail logits; then the sums of
     2**(s_t - m) v_t over its tail share and over the split's quantized values within [0, Pv)
     (interleaved: the row's 16-token tiles s, s + S, ...; else [64 s, 64 s + 64)), and of
-    2**(s_t - m) over both. R = 48 (not a power of two: 3 chunks
-    of 16 over 4 splits, so split 3 has none), rings at several rotations; as the score kernel
-    leaves them, logits past Qk are garbage (NaN), the program maxima bound the quantized
-    logits (one of them attains it) and a row without quantized keys has maxima of -1e30."""
+    2**(s_t - m) over both. R = 48 (not a power of two: 3 chunks of 16 over 4 splits, so
+    split 3 has none), rings at several rotations; as the score kernel leaves them, logits
+    past Qk are garbage (NaN), the program maxima bound the quantized logits (one of them
+    attains it) and a row without quantized keys has maxima of -1e30. Prefetch 3 does not
+    divide a split's 4 tiles: the loop runs past its last tile, into the next split's
+    (contiguous) or past Pv (interleaved), and must not count those tokens."""
     B, H, n_rep, D, G, R, C, P, n, S = 5, 2, 2, 64, 16, 48, 256, 4, 16, 4
     lengths = np.array([0, 20, 48, 100, 200], np.int32)  # Pv: 0, 0, 0, 52, 152
     q = rng.normal(size=(B, H, n_rep, D)).astype(np.float32)
@@ -198,7 +200,12 @@ def test_value_kernel_splits_share_the_tail(rng, interleave):
     q_scale = 0.2
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     tuning = GpuTuning(
-        value_quads=4, value_chain=1, num_splits=S, tail_slots=n, value_interleave=interleave
+        value_quads=4,
+        value_chain=1,
+        num_splits=S,
+        tail_slots=n,
+        value_interleave=interleave,
+        prefetch=prefetch,
     )  # 16-token tiles
     m, o, o_tail, l_sum = weighted_values(
         bf(q), jnp.asarray(scores), jnp.asarray(block_max), v_codes, v_scale, v_zero,
@@ -378,7 +385,7 @@ def test_random_layout_state_interpret(rng):
             value_chain=2,
             num_splits=5,
         ),
-        GpuTuning(value_quads=2, num_splits=3, value_interleave=False),  # contiguous splits
+        GpuTuning(value_quads=2, num_splits=3, prefetch=3, value_interleave=False),
         GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2),
         GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
         GpuTuning(value_parts=1, value_quads=4, value_warps=2, num_splits=3),
@@ -446,6 +453,7 @@ def test_dispatch(rng):
         ({"value_chain": 128}, "value_chain=128: at most 64"),
         ({"value_parts": 3}, "value_parts must be 1 or 2"),
         ({"score_folds_query": 1}, "score_folds_query must be a bool"),
+        ({"value_interleave": 1}, "value_interleave must be a bool"),
         ({"score_slices": 0}, "score_slices must be a positive int"),
         ({"value_quads": 0}, "value_quads must be a positive int"),
         ({"tail_slots": 0}, "tail_slots must be a positive int"),

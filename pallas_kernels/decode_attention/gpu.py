@@ -56,9 +56,10 @@ bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
 Measured on an H200 (docs/performance.md, GPU time): 3.73x faster than cuDNN bf16 attention
 at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.53x; 257.7 and 380.4 µs a step against 962.2;
-3.64x and 2.48x on H200s where cuDNN ran 936-939 µs). With GQA every query head has its own
-score and value programs, which read the KV head's words in turn (through L2): at Llama-3-8B
-heads (4 query heads per KV head) the kernels run 0.84-1.08x cuDNN's speed.
+3.64x and 2.48x with the eighth round's code on H200s where cuDNN ran 936-940 µs). With GQA
+every query head has its own score and value programs, which read the KV head's words in turn
+(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.84-1.08x
+cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -670,20 +671,24 @@ def _value_kernel(
     split = pl.program_id(2)
     pv = jnp.maximum(length - residual_length, 0)
     step = 4 * quads * chain  # tokens per iteration
+    # Tile k starts at tile_start(k); its tokens below `end` are this split's (tiles the loop
+    # runs past n_tiles start at or past `end`).
     if interleave:
         # Tile k of this split is tile k * splits + split of the row: the row's splits walk
         # neighbouring tiles together.
         tile_start = lambda k: (k * splits + split) * step
+        end = pv
         n_tiles = jnp.clip(pl.cdiv(pl.cdiv(pv, step) - split, splits), 0, tokens_per_split // step)
     else:
         lo = split * tokens_per_split
         tile_start = lambda k: lo + k * step
-        n_tiles = jnp.clip(pl.cdiv(pv - lo, step), 0, tokens_per_split // step)
+        end = jnp.minimum(lo + tokens_per_split, pv)
+        n_tiles = jnp.clip(pl.cdiv(end - lo, step), 0, tokens_per_split // step)
     shape = (quads, n_ch, wpg)
 
     def load(k):
         """Tile k: per sub-tile and token of a quad, the words, scales, zero points and logits
-        (quads clamped into the capacity: a tile past the split is loaded, not used)."""
+        (quads clamped into the capacity: a tile past n_tiles is loaded, not used)."""
         i0 = jnp.minimum(tile_start(k) // 4, C4 - step // 4)
         tiles = []
         for c in range(chain):
@@ -713,7 +718,7 @@ def _value_kernel(
             t0 = tile_start(k) + 4 * quads * c
             w.append([])
             for a, (_, vs, vz, logits) in enumerate(sub):
-                p = jnp.where(t0 + 4 * quad + a < pv, jnp.exp2(logits - m), 0.0)  # [quads]
+                p = jnp.where(t0 + 4 * quad + a < end, jnp.exp2(logits - m), 0.0)  # [quads]
                 w[c].append(p[:, None] * vs.astype(jnp.float32))
                 pz = pz + p[:, None] * vz.astype(jnp.float32)
                 ls = ls + p
@@ -748,7 +753,7 @@ def _value_kernel(
         jnp.zeros((quads, n_ch), jnp.float32),
         jnp.zeros((quads,), jnp.float32),
     )
-    live = lambda k: tile_start(k) < pv  # k < n_tiles
+    live = lambda k: tile_start(k) < end  # k < n_tiles
     acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live, ring)
     pz = jnp.sum(pz, axis=0)[:, None]  # [n_ch, 1]
     for r in range(4):
