@@ -230,7 +230,8 @@ def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
             mine = tile % S == split if interleave else tile // (C // 16 // S) == split
             span = np.flatnonzero(mine & (np.arange(C) < pv))
             p_quant = 2.0 ** (scores[b, h, r, span].astype(np.float64) - m_ref)
-            np.testing.assert_allclose(m[b, h, r, split], m_ref, rtol=1e-6)
+            # m is a logit (float32 sums in the kernel): absolute error where it is near 0
+            np.testing.assert_allclose(m[b, h, r, split], m_ref, rtol=1e-6, atol=1e-5)
             np.testing.assert_allclose(l_sum[b, h, r, split], p.sum() + p_quant.sum(), rtol=1e-5)
             # the quantized values' weights carried as two int8 parts: ~1/64516 of the largest
             o_quant = p_quant @ values[b, h, span]
