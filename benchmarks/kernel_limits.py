@@ -13,6 +13,9 @@ is swapped too):
   array into the carry (one add per element, after summing it over trailing axes where no carry
   array has its shape: the score kernel's words and query parts, across lanes). The loaded bytes
   stay; the score kernel's logit stores, part of its arithmetic, go;
+* ``words``: as ``loads``, with the loads of the int32 code words only (the scales, zero points,
+  logits and residual tail go): how fast the codes stream without the smaller arrays beside
+  them;
 * ``arith``: the shipped loop and arithmetic on tile 0, loaded once before the loop: every
   iteration computes on it with each array perturbed by the tile index (int32 words XOR k,
   floats + k * 1e-30) so that nothing can be hoisted out of the loop. The loads go; the score
@@ -80,6 +83,17 @@ def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
     return _SHIPPED_LOOP(n_tiles, depth, load, fold, carry, live, ring)
 
 
+def _words_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
+    """As `_loads_only_loop`, keeping only the loads of int32 arrays (the code words): the
+    others go unused, and the compiler drops them."""
+
+    def words_only(k):
+        return [x for x in jax.tree.leaves(load(k)) if x.dtype == jnp.int32]
+
+    ring = None if ring is None else tuple(words_only(k) for k in range(depth))
+    return _loads_only_loop(n_tiles, depth, words_only, compute, carry, live, ring)
+
+
 def _arith_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
     """The shipped loop computing every tile from tile 0, loaded once before the loop (or
     taken from the caller's early loads, `ring`)."""
@@ -95,7 +109,12 @@ def _arith_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
 
 
 _SHIPPED_LOOP = gpu._pipelined_loop
-VARIANTS = {"full": None, "loads": _loads_only_loop, "arith": _arith_only_loop}
+VARIANTS = {
+    "full": None,
+    "loads": _loads_only_loop,
+    "words": _words_only_loop,
+    "arith": _arith_only_loop,
+}
 
 
 @contextlib.contextmanager
@@ -162,6 +181,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     for (kernel, variant), v in timed.items():
         rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
                "bytes": kernel_bytes(s, bits, kernel, tuning.score_folds_query),
+               "code_bytes": s.batch * s.kv_heads * s.context * s.head_dim * bits // 8,
                "sm_clock_mhz": mhz,
                "timing": timing}  # fmt: skip
         if isinstance(v, float):
@@ -196,7 +216,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"# What bounds each decode kernel ({result['device']}, jax {result['jax']})",
         "",
         "Each kernel alone, timed as its shipped loop (`full`), with its loads only (`loads`),",
-        "and with its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
+        "with the loads of its code words only (`words`; GB/s on the codes' bytes), and with",
+        "its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
         f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
         f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
         "Without the fold (`score_folds_query` False) the score kernel's three times include the",
@@ -204,8 +225,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "writes).",
         "",
         "| shape | bits | kernel | MB read | full µs | loads µs | loads GB/s | arith µs "
-        "| full / max(loads, arith) | SM MHz |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| words µs | words GB/s | full / max(loads, arith) | SM MHz |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by = {}
     for r in result["rows"]:
@@ -215,14 +236,19 @@ def write_markdown(result: dict, path: Path) -> None:
         missing = "" if kernel in NO_LOOP else "failed"
         fmt = lambda x, missing=missing: f"{x:.1f}" if x is not None else missing
         ratio = (
-            f"{us['full'] / max(us['loads'], us['arith']):.2f}" if None not in us.values() else ""
+            f"{us['full'] / max(us['loads'], us['arith']):.2f}"
+            if None not in (us["full"], us["loads"], us["arith"])
+            else ""
         )
         mhz = v["full"].get("sm_clock_mhz")
         nbytes = v["full"]["bytes"]
         gbs = f"{nbytes / us['loads'] / 1e3:.0f}" if us["loads"] is not None else ""
+        code_bytes = v["full"]["code_bytes"]
+        words_gbs = f"{code_bytes / us['words'] / 1e3:.0f}" if us["words"] is not None else ""
         lines.append(
             f"| {shape} | {bits} | {kernel} | {nbytes / 1e6:.0f} | {fmt(us['full'])} | "
-            f"{fmt(us['loads'])} | {gbs} | {fmt(us['arith'])} | {ratio} | "
+            f"{fmt(us['loads'])} | {gbs} | {fmt(us['arith'])} | {fmt(us['words'])} | "
+            f"{words_gbs} | {ratio} | "
             f"{mhz if mhz is not None else ''} |"
         )
     path.write_text("\n".join(lines) + "\n")
