@@ -3,7 +3,7 @@ arithmetic only (H200 or any CUDA GPU).
 
 The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
 through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live, ring)``. This script times
-each kernel alone at one shape three ways, by swapping that function while the kernel is traced
+each kernel alone at one shape four ways, by swapping that function while the kernel is traced
 (the query kernel, which has no loop, is timed once and runs only with
 ``score_folds_query=False``; the value kernel's short loop over its share of the residual tail
 is swapped too):
@@ -84,14 +84,12 @@ def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
 
 
 def _words_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
-    """As `_loads_only_loop`, keeping only the loads of int32 arrays (the code words): the
-    others go unused, and the compiler drops them."""
-
-    def words_only(k):
-        return [x for x in jax.tree.leaves(load(k)) if x.dtype == jnp.int32]
-
-    ring = None if ring is None else tuple(words_only(k) for k in range(depth))
-    return _loads_only_loop(n_tiles, depth, words_only, compute, carry, live, ring)
+    """As `_loads_only_loop`, keeping only the loads of int32 arrays (the code words; with
+    `score_folds_query` False also the query kernel's words): the others go unused, and the
+    compiler drops them. The caller's early loads (`ring`) stay where the caller issued them."""
+    words = lambda tile: [x for x in jax.tree.leaves(tile) if x.dtype == jnp.int32]
+    ring = None if ring is None else tuple(words(tile) for tile in ring)
+    return _loads_only_loop(n_tiles, depth, lambda k: words(load(k)), compute, carry, live, ring)
 
 
 def _arith_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
@@ -220,7 +218,7 @@ def write_markdown(result: dict, path: Path) -> None:
         "its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
         f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
         f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
-        "Without the fold (`score_folds_query` False) the score kernel's three times include the",
+        "Without the fold (`score_folds_query` False) the score kernel's times include the",
         "query kernel it runs first (timed alone in its own row, `full` only; MB = its reads and",
         "writes).",
         "",
@@ -243,8 +241,8 @@ def write_markdown(result: dict, path: Path) -> None:
         mhz = v["full"].get("sm_clock_mhz")
         nbytes = v["full"]["bytes"]
         gbs = f"{nbytes / us['loads'] / 1e3:.0f}" if us["loads"] is not None else ""
-        code_bytes = v["full"]["code_bytes"]
-        words_gbs = f"{code_bytes / us['words'] / 1e3:.0f}" if us["words"] is not None else ""
+        code_bytes = v["full"].get("code_bytes")  # absent in files of earlier versions
+        words_gbs = f"{code_bytes / us['words'] / 1e3:.0f}" if us["words"] and code_bytes else ""
         lines.append(
             f"| {shape} | {bits} | {kernel} | {nbytes / 1e6:.0f} | {fmt(us['full'])} | "
             f"{fmt(us['loads'])} | {gbs} | {fmt(us['arith'])} | {fmt(us['words'])} | "
