@@ -179,7 +179,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     for (kernel, variant), v in timed.items():
         rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
                "bytes": kernel_bytes(s, bits, kernel, tuning.score_folds_query),
-               "code_bytes": s.batch * s.kv_heads * s.context * s.head_dim * bits // 8,
+               "code_bytes": code_bytes(s, bits),
                "sm_clock_mhz": mhz,
                "timing": timing}  # fmt: skip
         if isinstance(v, float):
@@ -191,6 +191,12 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     return out
 
 
+def code_bytes(s: bench.Shape, bits: int) -> int:
+    """Bytes of the key codes, and of the value codes (the same number): what the `words`
+    variant of the score or the value kernel reads."""
+    return s.batch * s.kv_heads * s.context * s.head_dim * bits // 8
+
+
 def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> int:
     """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
     the query's int16 words per group and query head; score kernel: the codes and the scales and
@@ -199,14 +205,15 @@ def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> i
     kernel: codes, bf16 scales and zero points, the float32 logits of every query head, and
     the bf16 residual keys and values (the tail)."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
-    codes, params = c * d * bits // 8, 2 * 2 * c * d // bench.GROUP
+    params = 2 * 2 * c * d // bench.GROUP
     parts = n_rep * 2 * c * d // bench.GROUP  # the query's int16 per group channel: 2 bytes
     per_kernel = {
         "query": params + parts,
-        "score": codes + params if folds_query else params + parts + codes + parts,
-        "value": codes + params + 4 * c * n_rep + 2 * 2 * bench.RESIDUAL * d,
+        "score": params if folds_query else params + parts + parts,
+        "value": params + 4 * c * n_rep + 2 * 2 * bench.RESIDUAL * d,
     }
-    return bh * per_kernel[kernel]
+    codes = 0 if kernel == "query" else code_bytes(s, bits)
+    return codes + bh * per_kernel[kernel]
 
 
 def write_markdown(result: dict, path: Path) -> None:
