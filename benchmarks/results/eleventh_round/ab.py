@@ -1,0 +1,77 @@
+"""Eleventh round's same-process A/B (run 2): main's kernels against a branch's, and cuDNN.
+
+Llama-2-7B heads, 8 x 32k, 2 calls per jit, 15 interleaved rounds (attention.py's timing:
+GPU time from a CUPTI trace, each kernel's share from a second trace). The branch's
+`gpu.py` is the package's; main's is staged beside it as `gpu_main.py`:
+
+    source benchmarks/stage_package.sh   # (from the branch's checkout)
+    cp MAIN_GPU_PY kivi_jax/pallas_kernels/decode_attention/gpu_main.py
+    python3 ab.py OUT_DIR '{"f32": {"half_logits": false}}'
+
+writes OUT_DIR/ab.json and ab.md. Extra entries: the branch's kernels under other GpuTuning
+fields (JSON: name -> fields).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "benchmarks")
+import attention as bench
+import jax
+from kivi_jax.pallas_kernels.decode_attention import gpu as new
+from kivi_jax.pallas_kernels.decode_attention import gpu_main as old
+
+
+def step_of(mod, bits, fields):
+    def step(q, state):
+        return mod.kivi_decode_attention_gpu(
+            q, **state, k_bits=bits, v_bits=bits, group_size=32, residual_length=128,
+            tuning=mod.GpuTuning(**fields),
+        )  # fmt: skip
+
+    return step
+
+
+def main(out: Path, variants: dict) -> None:
+    s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
+    key = jax.random.key(1)
+    calls, rounds = 2, 15
+    qs = bench._queries(key, s, calls)
+    bf = bench.bf16_states(key, s)
+    runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
+    for bits in (4, 2):
+        st = bench.kivi_states(key, s, bits)
+        entries = {"main": (old, {}), "new": (new, {})}
+        entries |= {name: (new, fields) for name, fields in variants.items()}
+        for name, (mod, fields) in entries.items():
+            fn = bench._many_calls(step_of(mod, bits, fields), qs, st)
+            runs[f"{name}{bits}"] = (fn, (qs, st))
+    timed, timing = bench.interleaved(runs, rounds=rounds)
+    split = bench.kernel_split(runs, rounds=rounds)
+    res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "timing": timing,
+           "calls": calls, "rounds": rounds, "variants": variants, "entries": {}}  # fmt: skip
+    for k in runs:
+        v = timed[k]
+        e = {"us": v / calls * 1e6 if isinstance(v, float) else str(v)}
+        e.update({c: x / calls * 1e6 for c, x in split.get(k, {}).items()})
+        res["entries"][k] = e
+    cud = res["entries"]["cudnn"]["us"]
+    lines = [
+        f"cuDNN {cud:.1f} us ({timing} time)",
+        "",
+        "| entry | us | x cuDNN | score | value | other |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for k, e in res["entries"].items():
+        cols = [e.get(f"{c}_us", 0) for c in ("score_kernel", "value_kernel", "other_kernels")]
+        lines.append(f"| {k} | {e['us']:.1f} | {cud / e['us']:.3f} | "
+                     + " | ".join(f"{x:.1f}" for x in cols) + " |")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.json").write_text(json.dumps(res, indent=1))
+    (out / "ab.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
