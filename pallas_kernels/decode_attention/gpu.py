@@ -56,7 +56,7 @@ bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
 Measured on an H200 (docs/performance.md, GPU time): 3.73x faster than cuDNN bf16 attention
 at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.53x; 257.7 and 380.4 µs a step against 962.2;
-3.66x and 2.499-2.503x on H200s where cuDNN ran 938.5-940.0 µs). With GQA
+3.64-3.66x and 2.499-2.507x on H200s where cuDNN ran 938.5-940.0 µs). With GQA
 every query head has its own score and value programs, which read the KV head's words in turn
 (through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.84-1.08x
 cuDNN's speed.

@@ -2,11 +2,14 @@
 
 Llama-2-7B heads, 8 x 32k, 2 calls per jit, 15 interleaved rounds (attention.py's timing:
 GPU time from a CUPTI trace, each kernel's share from a second trace). The branch's
-`gpu.py` is the package's; main's is staged beside it as `gpu_main.py`:
+`gpu.py` is the package's; main's is staged beside it as `gpu_main.py`. From the branch's
+checkout (stage_package.sh leaves the shell in /tmp/pk, where `benchmarks/` must be):
 
-    source benchmarks/stage_package.sh   # (from the branch's checkout)
-    cp MAIN_GPU_PY kivi_jax/pallas_kernels/decode_attention/gpu_main.py
-    python3 ab.py OUT_DIR '{"f32": {"half_logits": false}}'
+    git show main:benchmarks/results/eleventh_round/ab.py > /tmp/ab.py
+    git show 9951959:pallas_kernels/decode_attention/gpu.py > /tmp/gpu_main.py
+    source benchmarks/stage_package.sh
+    cp /tmp/gpu_main.py kivi_jax/pallas_kernels/decode_attention/gpu_main.py
+    python3 /tmp/ab.py OUT_DIR '{"f32": {"half_logits": false}}'
 
 writes OUT_DIR/ab.json and ab.md. Extra entries: the branch's kernels under other GpuTuning
 fields (JSON: name -> fields).
