@@ -1,8 +1,8 @@
 """Eleventh round, run 3: the score kernel built with a register cap, in one process.
 
-    source benchmarks/stage_package.sh   # main's checkout; the shell is then in /tmp/pk
-    python3 REPO/benchmarks/results/eleventh_round/regcap.py OUT \
-        '{"4": [null, 64, 72], "2": [null, 96, 80, 64]}'
+    source benchmarks/stage_package.sh   # from main's checkout; the shell is then in /tmp/pk
+    python3 benchmarks/results/eleventh_round/regcap.py OUT \
+        '{"4": [null, 64, 72], "2": [null, 96, 80, 64]}'   # OUT relative to /tmp/pk
 
 (the script that ran, with this docstring and ruff's formatting). It uses private jax API
 (`jax._src.pallas.triton`, as in jax 0.10.2 and 0.11.2): it wraps Pallas-Triton's lowering so
@@ -33,6 +33,7 @@ orig = lowering.lower_jaxpr_to_triton_module
 
 def capped(jaxpr, grid_mapping, *args, **kwargs):
     res = orig(jaxpr, grid_mapping, *args, **kwargs)
+    # The score kernel is the one with two outputs (logits, program maxima; the value has 4).
     if "score" in CAP and sum(1 for _ in grid_mapping.block_mappings_output) == 2:
         with res.module.context:
             i32 = ir.IntegerType.get_signless(32)
