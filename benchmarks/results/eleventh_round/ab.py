@@ -12,7 +12,8 @@ checkout (stage_package.sh leaves the shell in /tmp/pk, where `benchmarks/` must
     python3 /tmp/ab.py OUT_DIR '{"f32": {"half_logits": false}}'
 
 writes OUT_DIR/ab.json and ab.md. Extra entries: the branch's kernels under other GpuTuning
-fields (JSON: name -> fields).
+fields (JSON: name -> fields). `time_and_report` (the timing and the files) also serves
+`regcap.py`; it was moved into a function of its own after both runs (not re-run).
 """
 
 import json
@@ -22,8 +23,6 @@ from pathlib import Path
 sys.path.insert(0, "benchmarks")
 import attention as bench
 import jax
-from kivi_jax.pallas_kernels.decode_attention import gpu as new
-from kivi_jax.pallas_kernels.decode_attention import gpu_main as old
 
 
 def step_of(mod, bits, fields):
@@ -36,24 +35,13 @@ def step_of(mod, bits, fields):
     return step
 
 
-def main(out: Path, variants: dict) -> None:
-    s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
-    key = jax.random.key(1)
-    calls, rounds = 2, 15
-    qs = bench._queries(key, s, calls)
-    bf = bench.bf16_states(key, s)
-    runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
-    for bits in (4, 2):
-        st = bench.kivi_states(key, s, bits)
-        entries = {"main": (old, {}), "new": (new, {})}
-        entries |= {name: (new, fields) for name, fields in variants.items()}
-        for name, (mod, fields) in entries.items():
-            fn = bench._many_calls(step_of(mod, bits, fields), qs, st)
-            runs[f"{name}{bits}"] = (fn, (qs, st))
+def time_and_report(runs: dict, out: Path, stem: str, *, calls: int, rounds: int, meta: dict):
+    """Times `runs` (name -> (fn, args); one entry "cudnn") interleaved, with each kernel's
+    share of a step, and writes OUT/STEM.json (`meta` beside the entries) and STEM.md."""
     timed, timing = bench.interleaved(runs, rounds=rounds)
     split = bench.kernel_split(runs, rounds=rounds)
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "timing": timing,
-           "calls": calls, "rounds": rounds, "variants": variants, "entries": {}}  # fmt: skip
+           "calls": calls, "rounds": rounds, **meta, "entries": {}}  # fmt: skip
     for k in runs:
         v = timed[k]
         e = {"us": v / calls * 1e6 if isinstance(v, float) else str(v)}
@@ -71,9 +59,29 @@ def main(out: Path, variants: dict) -> None:
         lines.append(f"| {k} | {e['us']:.1f} | {cud / e['us']:.3f} | "
                      + " | ".join(f"{x:.1f}" for x in cols) + " |")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ab.json").write_text(json.dumps(res, indent=1))
-    (out / "ab.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def main(out: Path, variants: dict) -> None:
+    from kivi_jax.pallas_kernels.decode_attention import gpu as new
+    from kivi_jax.pallas_kernels.decode_attention import gpu_main as old
+
+    s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
+    key = jax.random.key(1)
+    calls, rounds = 2, 15
+    qs = bench._queries(key, s, calls)
+    bf = bench.bf16_states(key, s)
+    runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
+    for bits in (4, 2):
+        st = bench.kivi_states(key, s, bits)
+        entries = {"main": (old, {}), "new": (new, {})}
+        entries |= {name: (new, fields) for name, fields in variants.items()}
+        for name, (mod, fields) in entries.items():
+            fn = bench._many_calls(step_of(mod, bits, fields), qs, st)
+            runs[f"{name}{bits}"] = (fn, (qs, st))
+    time_and_report(runs, out, "ab", calls=calls, rounds=rounds, meta={"variants": variants})
 
 
 if __name__ == "__main__":

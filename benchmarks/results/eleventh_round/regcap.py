@@ -8,7 +8,8 @@
 (`jax._src.pallas.triton`, as in jax 0.10.2 and 0.11.2): it wraps Pallas-Triton's lowering so
 that the score kernel's Triton module carries the `ttg.maxnreg` attribute (Triton turns it
 into nvvm.maxnreg, i.e. PTX .maxnreg). Entries differ by an unused tuning field
-(query_program_groups) so that each is lowered and compiled again.
+(query_program_groups) so that each is lowered and compiled again. Its timing and files
+now come from `ab.py`'s `time_and_report` (the same code, moved there after the run).
 """
 
 import json
@@ -19,6 +20,7 @@ sys.path.insert(0, "benchmarks")
 import attention as bench
 import jax
 import numpy as np
+from ab import time_and_report  # beside this script
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import pallas_call_registration as reg
@@ -68,38 +70,5 @@ for bits, caps in plan.items():
         runs[f"kivi{bits} cap {cap}"] = (fn, (qs, st))
 CAP.clear()
 print("caps applied:", LOG, "same output:", same, flush=True)
-timed, timing = bench.interleaved(runs, rounds=rounds)
-split = bench.kernel_split(runs, rounds=rounds)
-res = {
-    "device": str(jax.devices()[0]),
-    "jax": jax.__version__,
-    "timing": timing,
-    "calls": calls,
-    "rounds": rounds,
-    "caps_applied": LOG,
-    "same_output_as_uncapped": same,
-    "entries": {},
-}
-for k in runs:
-    v = timed[k]
-    e = {"us": v / calls * 1e6 if isinstance(v, float) else str(v)}
-    e.update({c: x / calls * 1e6 for c, x in split.get(k, {}).items()})
-    res["entries"][k] = e
-cud = res["entries"]["cudnn"]["us"]
-lines = [
-    f"cuDNN {cud:.1f} us ({timing} time)",
-    "",
-    "| entry | us | x cuDNN | score | value | other |",
-    "|---|---:|---:|---:|---:|---:|",
-]
-for k, e in res["entries"].items():
-    cols = [e.get(f"{c}_us", 0) for c in ("score_kernel", "value_kernel", "other_kernels")]
-    lines.append(
-        f"| {k} | {e['us']:.1f} | {cud / e['us']:.3f} | "
-        + " | ".join(f"{x:.1f}" for x in cols)
-        + " |"
-    )
-out.mkdir(parents=True, exist_ok=True)
-(out / "regcap.json").write_text(json.dumps(res, indent=1))
-(out / "regcap.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
+meta = {"caps_applied": LOG, "same_output_as_uncapped": same}
+time_and_report(runs, out, "regcap", calls=calls, rounds=rounds, meta=meta)
