@@ -467,21 +467,22 @@ PREVIOUS_DEFAULT = GpuTuning(
     prefetch=2,
     score_folds_query=False,
     target_programs=4 * 132,
+    score_stages=1,
 )
-# The fifth round's default (benchmarks/results/value_occupancy/), before the per-bit-width
-# defaults of the sixth (benchmarks/results/fold_in_score/).
-FIFTH_DEFAULT = GpuTuning(score_slices=4, value_quads=8, score_folds_query=False)
 # Tunings timed by --sweep (8x32k, --sweep-model, --sweep-bits); the first is the default.
-# After the seventh round: the fifth round's default against this one, a key row in one and
-# in two slices (the default is 2 for 2-bit keys and 1 for 4-bit ones), one int8 part per
-# value weight, 32 key groups per score program.
+# After the twelfth round: the default (with MHA Triton's pipeliner, 3 stages; with GQA the
+# register prefetch) against the score kernel's register prefetch, 2 and 4 stages, and the
+# score kernel's tiles: 32 key rows per iteration, 8 and 32 key groups per program, a key
+# row in two slices.
 SWEEP = [
     GpuTuning(),
-    FIFTH_DEFAULT,
-    GpuTuning(score_slices=1),
-    GpuTuning(score_slices=2),
-    GpuTuning(value_parts=1),
+    GpuTuning(score_stages=1),
+    GpuTuning(score_stages=2),
+    GpuTuning(score_stages=4),
+    GpuTuning(score_rows=32),
+    GpuTuning(score_program_groups=8),
     GpuTuning(score_program_groups=32),
+    GpuTuning(score_slices=2),
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {

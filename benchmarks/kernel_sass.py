@@ -29,7 +29,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from attention import PREVIOUS_DEFAULT  # benchmarks/ is on sys.path when this runs as a script
-from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
+from kivi_jax.pallas_kernels.decode_attention import (
+    GpuTuning,
+    kivi_decode_attention_gpu,
+    triton_stages,
+)
 from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tiles
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the previous default (timed on the H200)
@@ -46,6 +50,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     the score kernel folds the query itself)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
+    triton_stages.install()  # first, so that the captured modules carry their loops' stages
     captured = []
     original = lowering.lower_jaxpr_to_triton_module
 
@@ -145,10 +150,12 @@ def analyse(
     """One record per kernel: registers, spills, loop instructions per code."""
     _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
-    # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles); a
-    # score- or value-kernel program serves one query head
+    # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles, one
+    # where the score kernel's loop is left to Triton's pipeliner); a score- or value-kernel
+    # program serves one query head
+    score_tiles_per_iter = tuning.prefetch if tuning.key_stages(n_rep) == 1 else 1
     per_thread = {
-        "score": groups * G * D * tuning.prefetch / (tuning.score_warps * 32),
+        "score": groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
         "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
     }
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}

@@ -24,7 +24,9 @@ scale: that test checks that the option computes the right thing, not its precis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,9 @@ import pytest
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     decode_attention_pallas,
+    kivi_decode_attention_gpu,
     supported_config_reason,
+    triton_stages,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _byte_transpose,
@@ -387,8 +391,11 @@ def test_random_layout_state_interpret(rng):
             num_splits=5,
         ),
         GpuTuning(value_quads=2, num_splits=3, prefetch=3, value_interleave=False),
-        GpuTuning(prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2),
+        GpuTuning(
+            prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2, score_stages=1
+        ),
         GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
+        GpuTuning(score_stages=2, prefetch=2, score_rows=4, value_quads=2, num_splits=3),
         GpuTuning(value_parts=1, value_quads=4, value_warps=2, num_splits=3),
     ],
 )
@@ -443,10 +450,59 @@ def test_dispatch(rng):
         kivi_jax.decode_attention(q, c8, impl="pallas", interpret=True)
 
 
+def _lowered_triton_modules(monkeypatch, tuning: GpuTuning, n_rep: int = 1) -> dict[str, str]:
+    """{kernel name: its Triton module as text}, lowered for CUDA (no GPU needed) at a small
+    shape, as Pallas-Triton hands it on (after `triton_stages` marks its loops)."""
+    from jax._src.pallas.triton import lowering
+
+    triton_stages.install()
+    marked = lowering.lower_jaxpr_to_triton_module
+    modules = {}
+
+    def capture(*args, **kwargs):
+        result = marked(*args, **kwargs)
+        name = str(result.module.operation.attributes["sym_name"]).strip('"')
+        modules[name] = str(result.module)
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    B, H, C, D, G, R = 1, 2, 256, 64, 32, 64
+    sd, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
+    args = [sd((B, H * n_rep, D), bf), sd((B, H, C // 2, D), u8), sd((B, H, C // G, D), bf),
+            sd((B, H, C // G, D), bf), sd((B, H, C, D // 2), u8), sd((B, H, C, D // G), bf),
+            sd((B, H, C, D // G), bf), sd((B, H, R, D), bf), sd((B, H, R, D), bf),
+            sd((B,), jnp.int32)]  # fmt: skip
+    step = functools.partial(
+        kivi_decode_attention_gpu, k_bits=4, v_bits=4, group_size=G, residual_length=R,
+        tuning=tuning,
+    )  # fmt: skip
+    jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+    return modules
+
+
+@pytest.mark.parametrize(
+    ("score_stages", "n_rep", "stages"),
+    [(1, 1, 1), (4, 1, 4), (None, 1, 3), (None, 2, 1), (2, 2, 2)],
+)
+def test_score_loop_carries_its_pipeline_stages(monkeypatch, score_stages, n_rep, stages):
+    """Triton pipelines a loop without a dot only where it carries tt.num_stages: the score
+    kernel's one loop gets score_stages (left None: 3 for MHA, 1 for GQA; at 1 it keeps the
+    register prefetch, unmarked); the value kernel's two loops (its tail share's and its main
+    loop) are never marked."""
+    tuning = GpuTuning(score_stages=score_stages)
+    modules = _lowered_triton_modules(monkeypatch, tuning, n_rep)
+    score = modules["kivi_scores" if stages == 1 else f"kivi_scores_stages{stages}"]
+    assert score.count("scf.for") == 1
+    assert re.findall(r"tt\.num_stages = (\d+)", score) == ([] if stages == 1 else [str(stages)])
+    assert modules["kivi_values"].count("scf.for") == 2
+    assert "tt.num_stages" not in modules["kivi_values"]
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
         ({"prefetch": 0}, "prefetch"),
+        ({"score_stages": 0}, "score_stages must be a positive int"),
         ({"value_warps": 6}, "value_warps"),
         ({"num_splits": 0}, "num_splits"),
         ({"score_slices": 3}, "score_slices"),
@@ -472,6 +528,12 @@ def test_fields_left_none_take_the_bit_widths_default(bits, slices, quads):
     chosen = GpuTuning(score_slices=4, value_quads=4)
     assert chosen.key_slices(bits) == 4 and chosen.quads(bits) == 4
     assert GpuTuning(num_splits=None).num_splits is None  # chosen by the value kernel
+
+
+def test_score_stages_left_none_follow_the_heads():
+    """3 pipeline stages for MHA, the register prefetch (1) for GQA; a set value stands."""
+    assert GpuTuning().key_stages(1) == 3 and GpuTuning().key_stages(4) == 1
+    assert GpuTuning(score_stages=2).key_stages(1) == GpuTuning(score_stages=2).key_stages(4) == 2
 
 
 def test_unsupported_configs_are_named():
@@ -521,6 +583,8 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
         (GpuTuning(value_parts=1), 2),
         (GpuTuning(score_folds_query=False, score_slices=4, value_quads=8), 2),  # fifth round's
         (GpuTuning(score_slices=2), 4),  # the sixth round's 4-bit keys (now 1 slice)
+        (GpuTuning(score_stages=1), 4),  # the eleventh round's register prefetch
+        (GpuTuning(score_stages=4, prefetch=2, score_rows=32), 2),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning, bits):

@@ -39,7 +39,9 @@ of the value kernel (a token split of a row) first takes its share of the residu
 last R tokens: full-precision values, and keys either quantized or, from Qk on,
 full-precision), then reads its split's logits once, exponentiates against the larger of the
 row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
-softmaxes at the end.
+softmaxes at the end. With MHA the score kernel's loop is left to Triton's software pipeliner
+(`GpuTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
+tiles ahead, without holding registers.
 With ``GpuTuning(score_folds_query=False)`` a third kernel, the query kernel, folds the
 query into every key group first and the score kernel reads its int16 words (the default
 until the sixth round: 2 bytes per group channel written and read back, for less
@@ -54,12 +56,11 @@ come from ``v_residual``. Everything is masked by ``t < l``; length-0 rows give 
 Supported: k_bits, v_bits in {2, 4}; G a power of two >= 16 dividing D; D in {64, 128};
 bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
-Measured on an H200 (docs/performance.md, GPU time): 3.73x faster than cuDNN bf16 attention
-at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.53x; 257.7 and 380.4 µs a step against 962.2;
-3.64-3.66x and 2.499-2.507x on H200s where cuDNN ran 938.5-940.0 µs). With GQA
-every query head has its own score and value programs, which read the KV head's words in turn
-(through L2): at Llama-3-8B heads (4 query heads per KV head) the kernels run 0.84-1.08x
-cuDNN's speed.
+Measured on an H200 (docs/performance.md, GPU time): 3.93x faster than cuDNN bf16 attention
+at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.68x; 245.6 and 360.7 µs a step against 965.6).
+With GQA every query head has its own score and value programs, which read the KV head's
+words in turn (through L2): at Llama-3-8B heads (4 query heads per KV head), 8 x 32k, the
+kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed.
 """
 
 from __future__ import annotations
@@ -73,11 +74,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from kivi_jax.pallas_kernels.decode_attention import triton_stages
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
 # Value sums chained over a tile: 254 S_hi + S_lo <= chain * 4 * 255 * 127 * 255 < 2**31.
 _MAX_CHAIN = 64
+
+
+# GpuTuning fields that may be None: a default chosen by the shape (see their methods).
+_NONE_MEANS_DEFAULT = ("score_slices", "value_quads", "num_splits", "score_stages")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,8 +103,12 @@ class GpuTuning:
     value_chain: value sub-tiles per iteration whose integer dot products a thread chains
       into the same accumulators before they are scaled into float32 (the weights' int8 scale
       is the largest weight among those 4 * value_chain tokens).
-    prefetch: tiles whose loads are issued ahead of the one being computed (score and value
-      kernels).
+    prefetch: tiles whose loads are issued ahead of the one being computed, held in registers
+      (the value kernel, and the score kernel at 1 stage).
+    score_stages: software-pipeline stages of the score kernel's loop (> 1): Triton issues the
+      loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
+      (cp.async: no registers held while they are in flight; `triton_stages`); 1: the
+      register prefetch.
     value_interleave: a row's value splits take its tiles in turn (tile k of split s is the
       row's tile k * splits + s), so that they walk neighbouring tiles together, instead of
       one contiguous range each (H200, 8 x 32k: value kernel 0.8% faster at 4 bits, 1.1% at
@@ -120,15 +130,16 @@ class GpuTuning:
       and 1% at 4 bits (benchmarks/results/tail_share/).
 
     score_slices and value_quads left None take the default of the key and value bit width
-    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at
-    2 bits, 8 at 4 bits. The defaults come from H200 sweeps at Llama-2-7B heads
-    (docs/performance.md; benchmarks/results/fold_in_score/, tail_kernel/, tail_share/):
-    the score kernel folds the query (at 2 bits the step ran 7% faster than with the query
-    kernel, at 4 bits with 2 slices per key row 6% faster), one-warp programs for keys and
-    values (the value kernel's layout conversions are then shuffles), loads one tile ahead (in
-    the fifth round two ran the score and value kernels 13-17% slower, with 221 and 255
-    registers instead of 128 and 166), value chains of 2 (with 4 the value kernel ran 1.6x
-    slower, with 1 it ran 14-30% slower).
+    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at 2
+    bits, 8 at 4 bits; score_stages left None that of the query heads per KV head
+    (`key_stages`): 3 for MHA, 1 (the register prefetch) for GQA. The defaults come from H200
+    sweeps at Llama-2-7B heads (docs/performance.md; benchmarks/results/fold_in_score/,
+    tail_kernel/, tail_share/): the score kernel folds the query (at 2 bits the step ran 7%
+    faster than with the query kernel, at 4 bits with 2 slices per key row 6% faster), one-warp
+    programs for keys and values (the value kernel's layout conversions are then shuffles),
+    loads one tile ahead (in the fifth round two ran the score and value kernels 13-17% slower,
+    with 221 and 255 registers instead of 128 and 166), value chains of 2 (with 4 the value
+    kernel ran 1.6x slower, with 1 it ran 14-30% slower).
     """
 
     score_rows: int = 16
@@ -141,6 +152,7 @@ class GpuTuning:
     value_chain: int = 2
     value_warps: int = 1
     prefetch: int = 1
+    score_stages: int | None = None
     value_interleave: bool = True
     value_parts: int = 2
     score_folds_query: bool = True
@@ -152,7 +164,7 @@ class GpuTuning:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name in ("score_slices", "value_quads", "num_splits"):
+            if v is None and f.name in _NONE_MEANS_DEFAULT:
                 continue
             if f.name in ("score_folds_query", "value_interleave"):
                 if not isinstance(v, bool):
@@ -178,6 +190,15 @@ class GpuTuning:
         in three sweeps; half the shared-memory stores per loop in a local build). H200
         sweeps, benchmarks/results/fold_in_score/ and tail_kernel/."""
         return self.score_slices or (2 if k_bits == 2 else 1)
+
+    def key_stages(self, n_rep: int) -> int:
+        """score_stages, or if None the default for n_rep query heads per KV head: 3 with one
+        (MHA; H200, Llama-2-7B heads at 8 x 32k: the score kernel 10% faster than with the
+        register prefetch at 4 bits, 11% at 2 bits; 2 stages as fast at 4 bits, no faster
+        at 2) and 1 with GQA, whose query heads read their KV head's key words in turn,
+        through L2 (Llama-3-8B heads at 8 x 32k: the score kernel 4% faster with the register
+        prefetch at 4 bits, 6% at 2). benchmarks/results/twelfth_round/."""
+        return self.score_stages or (3 if n_rep == 1 else 1)
 
     def quads(self, v_bits: int) -> int:
         """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
@@ -252,9 +273,11 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live, ring=None):
     """carry = compute(k, load(k), carry) for k in [0, n_tiles), loads issued `depth` tiles ahead.
 
     Each step first issues the load of tile k + depth, then computes tile k, so a load has
-    `depth` computations' time to arrive (Triton pipelines only loads that feed a dot). The
-    computation sits in a branch on `live(k)` (true for every k < n_tiles, in a form the
-    compiler cannot fold): without a branch between them ptxas may move the loads below the
+    `depth` computations' time to arrive, in registers (Triton pipelines a loop's loads only
+    where they feed a dot or the loop is marked: `triton_stages`). With depth 0 the loop is
+    plain, compute(k, load(k), carry) in step k with no branch, for Triton's pipeliner.
+    Otherwise the computation sits in a branch on `live(k)` (true for every k < n_tiles, in a
+    form the compiler cannot fold): without a branch between them ptxas may move the loads below the
     arithmetic, to the end of the loop body, where nothing overlaps their latency (it did in
     the 2-bit MHA value kernel: benchmarks/results/cuda_core_sweeps/run5_sass_before.md). The
     body is unrolled `depth` times over a ring of tiles; the last round may run up to
@@ -263,6 +286,8 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live, ring=None):
     computation harmless. `ring`: the first `depth` tiles, where the caller issued their loads
     earlier (to overlap them with other work).
     """
+    if depth == 0:
+        return lax.fori_loop(0, n_tiles, lambda k, c: compute(k, load(k), c), carry)
     ring = tuple(load(k) for k in range(depth)) if ring is None else ring
 
     def body(i, state):
@@ -764,6 +789,13 @@ def _value_kernel(
     m_ref[()] = m
 
 
+def _loop_stages(stages: int, interpret: bool) -> int:
+    """The pipeline stages a kernel's loop runs with: `stages` where Triton's pipeliner can be
+    asked for them (`triton_stages.install`; in interpret mode the same plain loop runs), else
+    1 (the register prefetch)."""
+    return stages if stages > 1 and (interpret or triton_stages.install()) else 1
+
+
 def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
                residual_length, tuning, interpret):  # fmt: skip
     """The score kernel. q [B, H, n_rep, D] (queries, any float dtype; the logits are of
@@ -779,6 +811,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
     Hq = H * n_rep
+    stages = _loop_stages(tuning.key_stages(n_rep), interpret)
     kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
     if tuning.score_folds_query:
         query_specs = [
@@ -808,7 +841,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
             group_size=G,
             residual_length=residual_length,
             groups_per_iter=n1,
-            prefetch=tuning.prefetch,
+            prefetch=tuning.prefetch if stages == 1 else 0,  # 0: a plain loop
             interpret=interpret,
         ),
         grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
@@ -829,7 +862,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
             num_warps=tuning.score_warps, num_stages=tuning.num_stages
         ),
         interpret=interpret,
-        name="kivi_scores",
+        name="kivi_scores" if stages == 1 else triton_stages.staged_name("kivi_scores", stages),
     )(
         lengths,
         *query_args,
