@@ -581,7 +581,8 @@ def write_markdown(result: dict, path: Path) -> None:
         ),
         f"KIVI kernel tuning: {result.get('tuning')} (`score_slices` None: 2 for 2-bit keys, "
         "1 for 4-bit ones; `value_quads` None: 16 for 2-bit values, 8 for 4-bit ones; "
-        "`GpuTuning.key_slices`, `GpuTuning.quads`)",
+        "`score_stages` None: 3 for MHA, 1 for GQA; `GpuTuning.key_slices`, `GpuTuning.quads`, "
+        "`GpuTuning.key_stages`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
         "| speed-up vs best bf16 | (host) |",

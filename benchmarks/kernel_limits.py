@@ -60,9 +60,10 @@ NO_LOOP = ("query",)  # kernels without a main loop to vary: timed `full` only
 
 
 def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
-    """The kernel's loop and loads (each tile's loads issued ahead, as shipped), with `compute`
-    replaced by folding each loaded array into a carry array with one add per element (an array
-    of the carry's shape, or the loaded one summed over trailing axes until one matches)."""
+    """The kernel's loop and loads as shipped (issued ahead in registers, or, in a plain loop of
+    Triton's pipeliner, by cp.async), with `compute` replaced by folding each loaded array into
+    a carry array with one add per element (an array of the carry's shape, or the loaded one
+    summed over trailing axes until one matches)."""
     del compute
 
     def fold(k, tile, carry):

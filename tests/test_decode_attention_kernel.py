@@ -47,6 +47,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _int8_parts,
     _int8_unit,
     _join_parts,
+    _loop_stages,
     _pack_bytes,
     _parts_unit,
     _words,
@@ -496,6 +497,20 @@ def test_score_loop_carries_its_pipeline_stages(monkeypatch, score_stages, n_rep
     assert re.findall(r"tt\.num_stages = (\d+)", score) == ([] if stages == 1 else [str(stages)])
     assert modules["kivi_values"].count("scf.for") == 2
     assert "tt.num_stages" not in modules["kivi_values"]
+
+
+def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monkeypatch):
+    """Where jax lacks Pallas-Triton's lowering function, `install` warns and returns False
+    and compiled kernels keep the register prefetch (interpret mode runs the plain loop as
+    asked, no lowering involved)."""
+    from jax._src.pallas.triton import lowering
+
+    monkeypatch.delattr(lowering, "lower_jaxpr_to_triton_module")
+    triton_stages._warn_unavailable.cache_clear()
+    with pytest.warns(UserWarning, match="Triton loop pipelining unavailable"):
+        assert not triton_stages.install()
+    assert _loop_stages(3, interpret=False) == 1
+    assert _loop_stages(3, interpret=True) == 3
 
 
 @pytest.mark.parametrize(

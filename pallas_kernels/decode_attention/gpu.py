@@ -137,9 +137,10 @@ class GpuTuning:
     tail_kernel/, tail_share/): the score kernel folds the query (at 2 bits the step ran 7%
     faster than with the query kernel, at 4 bits with 2 slices per key row 6% faster), one-warp
     programs for keys and values (the value kernel's layout conversions are then shuffles),
-    loads one tile ahead (in the fifth round two ran the score and value kernels 13-17% slower,
-    with 221 and 255 registers instead of 128 and 166), value chains of 2 (with 4 the value
-    kernel ran 1.6x slower, with 1 it ran 14-30% slower).
+    register prefetch one tile ahead (the value kernel, GQA's score kernel; in the fifth round
+    two ran the score and value kernels 13-17% slower, with 221 and 255 registers instead of 128
+    and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30%
+    slower).
     """
 
     score_rows: int = 16
