@@ -35,6 +35,18 @@ def step_of(mod, bits, fields):
     return step
 
 
+def setup(calls: int):
+    """Llama-2-7B heads at 8 x 32k: (shape, key, stacked queries for `calls` calls, and the
+    runs dict holding the cuDNN entry, already compiled)."""
+    s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
+    key = jax.random.key(1)
+    qs = bench._queries(key, s, calls)
+    bf = bench.bf16_states(key, s)
+    runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
+    jax.block_until_ready(runs["cudnn"][0](qs, bf))
+    return s, key, qs, runs
+
+
 def time_and_report(runs: dict, out: Path, stem: str, *, calls: int, rounds: int, meta: dict):
     """Times `runs` (name -> (fn, args); one entry "cudnn") interleaved, with each kernel's
     share of a step, and writes OUT/STEM.json (`meta` beside the entries) and STEM.md."""
@@ -68,12 +80,8 @@ def main(out: Path, variants: dict) -> None:
     from kivi_jax.pallas_kernels.decode_attention import gpu as new
     from kivi_jax.pallas_kernels.decode_attention import gpu_main as old
 
-    s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
-    key = jax.random.key(1)
     calls, rounds = 2, 15
-    qs = bench._queries(key, s, calls)
-    bf = bench.bf16_states(key, s)
-    runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
+    s, key, qs, runs = setup(calls)
     for bits in (4, 2):
         st = bench.kivi_states(key, s, bits)
         entries = {"main": (old, {}), "new": (new, {})}

@@ -20,7 +20,7 @@ sys.path.insert(0, "benchmarks")
 import attention as bench
 import jax
 import numpy as np
-from ab import time_and_report  # beside this script
+from ab import setup, time_and_report  # beside this script
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import pallas_call_registration as reg
@@ -46,14 +46,9 @@ def capped(jaxpr, grid_mapping, *args, **kwargs):
 
 lowering.lower_jaxpr_to_triton_module = capped
 reg.lowering.lower_jaxpr_to_triton_module = capped
-s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
-key = jax.random.key(1)
 calls, rounds = 2, 15
-qs = bench._queries(key, s, calls)
-bf = bench.bf16_states(key, s)
+s, key, qs, runs = setup(calls)
 same = {}
-runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
-jax.block_until_ready(runs["cudnn"][0](qs, bf))
 for bits, caps in plan.items():
     bits = int(bits)
     st = bench.kivi_states(key, s, bits)

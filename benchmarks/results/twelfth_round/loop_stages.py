@@ -8,6 +8,7 @@ pipelined only when they carry that attribute)."""
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering
 from jax._src.pallas.triton import pallas_call_registration as reg
+from kivi_jax.pallas_kernels.decode_attention.triton_stages import _mark_loops
 
 STAGES = {}  # kernel module name (substring) -> tt.num_stages for its loops
 LOG = []
@@ -20,17 +21,7 @@ def _staged(*args, **kwargs):
     stages = next((v for k, v in STAGES.items() if k in name), None)
     if stages:
         with res.module.context:
-            attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
-            loops = []
-
-            def mark(op):
-                if op.name == "scf.for":
-                    op.attributes["tt.num_stages"] = attr
-                    loops.append(op)
-                return ir.WalkResult.ADVANCE
-
-            res.module.operation.walk(mark)
-        LOG.append((name, stages, len(loops)))
+            LOG.append((name, stages, _mark_loops(res.module, stages, ir)))
     return res
 
 

@@ -23,17 +23,12 @@ import numpy as np
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "eleventh_round"))
-from ab import time_and_report
+from ab import setup, time_and_report
 
 out = Path(sys.argv[1])
 plan = json.loads(sys.argv[2])
-s = next(x for x in bench.SHAPES if x.name == "Llama-2-7B 8x32k")
-key = jax.random.key(1)
 calls, rounds = 2, 15
-qs = bench._queries(key, s, calls)
-bf = bench.bf16_states(key, s)
-runs = {"cudnn": (bench._many_calls(bench.cudnn_step, qs, bf), (qs, bf))}
-jax.block_until_ready(runs["cudnn"][0](qs, bf))
+s, key, qs, runs = setup(calls)
 diffs, failed = {}, {}
 for bits, pairs in plan.items():
     bits = int(bits)
