@@ -54,7 +54,8 @@ from jax import lax
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attention as bench  # the timing harness and random states
+import attention as bench  # the shapes and random states
+from timing import interleaved
 
 NO_LOOP = ("query",)  # kernels without a main loop to vary: timed `full` only
 
@@ -173,7 +174,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
             except Exception as e:  # a variant that does not build is reported, not fatal
                 errors[kernel, variant] = f"{type(e).__name__}: {str(e)[:300]}"
     t0 = time.perf_counter()
-    timed, timing = bench.interleaved(runs, rounds=repeats)
+    timed, timing = interleaved(runs, rounds=repeats)
     timed |= errors
     mhz = clock.median(t0, time.perf_counter())
     out = []

@@ -25,7 +25,8 @@ import jax
 from kivi_jax.pallas_kernels.decode_attention import GpuTuning
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attention as bench  # the timing harness and random states
+import attention as bench  # the shapes and random states
+import timing
 
 
 def trace(fn, args, *, repeats: int) -> dict:
@@ -33,7 +34,7 @@ def trace(fn, args, *, repeats: int) -> dict:
     jax.block_until_ready(fn(*args))  # compiles
     first_call_s = time.perf_counter() - t0
     jax.block_until_ready(fn(*args))
-    runs = bench.traced_runs({0: (fn, args)}, rounds=repeats)
+    runs = timing.traced_runs({0: (fn, args)}, rounds=repeats)
     if len(runs) != repeats:
         raise RuntimeError(f"the GPU trace holds {len(runs)} runs, not {repeats}")
     per_name = collections.defaultdict(list)
