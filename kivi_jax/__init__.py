@@ -4,6 +4,7 @@ The KV state (kivi_jax.cache) is a pytree passed into and returned from pure fun
 
     cache = kivi_jax.init_cache(kivi_jax.KiviConfig(), batch=1, max_len=4096,
                                 num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+                                                   # num_layers=L: a tuple of L caches
     cache = kivi_jax.prefill(cache, k, v)          # k, v [batch, seq, kv_heads, head_dim]
     cache = kivi_jax.append(cache, k_t, v_t)       # k_t, v_t [batch, kv_heads, head_dim]
     out = kivi_jax.decode_attention(q_t, cache)    # q_t [batch, q_heads, head_dim]
@@ -22,7 +23,6 @@ from kivi_jax.cache import (
     append,
     dequantize,
     init_cache,
-    layer,
     prefill,
 )
 from kivi_jax.config import KIVI2, KIVI4, KiviConfig
@@ -58,7 +58,6 @@ __all__ = [
     "held_bits",
     "init_cache",
     "init_params",
-    "layer",
     "load_model",
     "memory_report",
     "pack_codes",

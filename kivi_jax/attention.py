@@ -1,21 +1,19 @@
-"""Decode attention over a KV state: the public dispatch and the plain-jnp reference."""
+"""Decode attention over a KV state: the public dispatch, the plain-jnp reference and the
+full-precision cache's path through cuDNN."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from kivi_jax.cache import Cache, FullCache, KiviCache, dequantized_heads_major
+from kivi_jax.cache import Cache, FullCache, check_cache, dequantized_heads_major
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas")
 
 
 def check_decode_inputs(q: jax.Array, cache: Cache) -> int:
     """Checks q [batch, q_heads, head_dim] against one cache layer; returns q_heads // kv_heads."""
-    if not isinstance(cache, KiviCache | FullCache):
-        raise TypeError(f"expected a KiviCache or FullCache, got {type(cache).__name__}")
-    if cache.lengths.ndim != 1:
-        raise ValueError("decode_attention takes one layer's cache, not a stacked one")
+    check_cache(cache)
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -54,6 +52,32 @@ def decode_attention_reference(q: jax.Array, cache: Cache) -> jax.Array:
     return out.reshape(b, hq, d).astype(q.dtype)
 
 
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def cudnn_unsupported_reason(q: jax.Array, cache: Cache) -> str | None:
+    """None if `decode_attention_cudnn(q, cache)` runs here, else what it does not support."""
+    if not isinstance(cache, FullCache):
+        return f"cuDNN's attention reads a FullCache, not a {type(cache).__name__}"
+    if jax.default_backend() != "gpu":
+        return f"cuDNN needs a CUDA GPU (backend here: {jax.default_backend()})"
+    if cache.dtype not in _CUDNN_DTYPES or q.dtype != cache.dtype:
+        return f"cuDNN takes bfloat16 or float16 q and cache alike, got {q.dtype}, {cache.dtype}"
+    if cache.head_dim % 8 or cache.head_dim > 128:
+        return f"head_dim={cache.head_dim}: cuDNN's attention here takes multiples of 8 up to 128"
+    return None
+
+
+def decode_attention_cudnn(q: jax.Array, cache: FullCache) -> jax.Array:
+    """The full-precision cache's decode attention through cuDNN (flash attention, GQA and the
+    per-row lengths as its padding mask; the cache is stored [B, T, H, D] as cuDNN reads it, so
+    nothing is transposed or copied). Same signature and result as the reference."""
+    out = jax.nn.dot_product_attention(
+        q[:, None], cache.k, cache.v, key_value_seq_lengths=cache.lengths, implementation="cudnn"
+    )[:, 0]  # [B, N, D]
+    return jnp.where(cache.lengths[:, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
 def decode_attention(
     q: jax.Array, cache: Cache, *, impl: str = "auto", interpret: bool = False
 ) -> jax.Array:
@@ -62,8 +86,9 @@ def decode_attention(
     Args:
       q: [batch, q_heads, head_dim], q_heads a multiple of the cache's kv_heads.
       cache: one layer's KiviCache or FullCache, already holding this step's key and value.
-      impl: "reference" (plain jnp), "pallas" (the fused kernel; an error where it does not
-        support the configuration) or "auto" (the kernel where it applies, else the reference).
+      impl: "reference" (plain jnp), "pallas" (the fused KIVI kernel; an error where it does not
+        support the configuration) or "auto": on a GPU the fused kernel for a KiviCache it
+        supports and cuDNN's attention for a bfloat16/float16 FullCache, else the reference.
       interpret: run a Pallas kernel in interpret mode (CPU tests).
 
     Returns:
@@ -84,7 +109,9 @@ def decode_attention(
                 f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
             )
         return gpu.decode_attention_pallas(q, cache, interpret=interpret)
-    # "auto": the kernel where it applies, else the reference.
+    # "auto": a GPU kernel where one applies, else the reference.
+    if cudnn_unsupported_reason(q, cache) is None:
+        return decode_attention_cudnn(q, cache)
     if jax.default_backend() == "gpu" and gpu.unsupported_reason(q, cache) is None:
         return gpu.decode_attention_pallas(q, cache, interpret=interpret)
     return decode_attention_reference(q, cache)

@@ -1,8 +1,11 @@
 """The KV state: a KIVI quantized cache and a full-precision cache with the same interface.
 
 Both are pytrees of fixed-shape arrays plus static fields, so every function here traces once under
-jit and the decode loop never reallocates. Functions take and return one layer's cache; with
-`num_layers`, `init_cache` stacks every array on a leading layer axis for `lax.scan`.
+jit and the decode loop never reallocates. Functions take and return one layer's cache; a model
+keeps one cache per layer (`init_cache(..., num_layers=L)` returns a tuple of L independent
+caches), so that every array a decode step reads or writes is a buffer of its own: a jitted,
+donated step updates it in place and hands it to the attention kernel without slicing it out of a
+larger array.
 
 Layout of `KiviCache` (one layer). B batch, H kv heads, D head_dim, G group_size,
 R residual_length, C = capacity = max_len rounded up to a multiple of G, kpb = 8 // k_bits and
@@ -14,21 +17,33 @@ vpb = 8 // v_bits codes per byte (bit order: kivi_jax.quantization):
     v_codes    uint8 [B, H, C, D // vpb]   value codes, packed along channels
     v_scale    dtype [B, H, C, D // G]     one (scale, zero) per token per G channels
     v_zero     dtype [B, H, C, D // G]
-    k_residual dtype [B, H, R, D]          full-precision keys, token t in slot t % R
-    v_residual dtype [B, H, R, D]          full-precision values, token t in slot t % R
+    k_residual dtype [B, H, R, D]          the last min(l, R) keys, token t in slot t % R
+    v_residual dtype [B, H, R, D]          the last min(l, R) values, token t in slot t % R
     lengths    int32 [B]                   tokens held per sequence (l)
     overflow   bool  [B]                   a write under jit would have exceeded max_len
 
-For a sequence of length l (KIVI.md, Algorithm 1):
+For a sequence of length l (KIVI.md, Algorithm 1), attention reads
 
-    keys   [0, Qk) quantized per channel, Qk = l - l % R;   keys   [Qk, l) in k_residual
-    values [0, Pv) quantized per token,   Pv = max(l - R, 0); values [Pv, l) in v_residual
+    keys   [0, Qk) quantized per channel, Qk = l - l % R;   keys   [Qk, l) from k_residual
+    values [0, Pv) quantized per token,   Pv = max(l - R, 0); values [Pv, l) from v_residual
 
 so keys flush R at a time and values slide one token at a time. Pv <= Qk, so a token can have a
-quantized key and a full-precision value. Entries outside these ranges are zero (the state depends
-only on the tokens held, not on how they arrived); readers still mask by length. Key groups start
-at token 0 of each sequence, and every quantized group consists of that sequence's own tokens
-(padding of a ragged batch never enters a min or max).
+quantized key and a full-precision value. What is stored:
+
+    key codes, scales, zeros     of every complete group of G tokens, [0, l - l % G)
+    value codes, scales, zeros   of the tokens [0, Pv)
+    both rings                   the last min(l, R) tokens
+
+A key group is quantized as soon as its G tokens are in (a decode step quantizes the one group
+its token may complete, never the ring), so a flush writes nothing: it only moves Qk, and the
+groups of [Qk, l - l % G) wait in the codes until it does. Every entry is either zero (never
+written) or a function of the tokens it holds, so the state depends only on the tokens held, not
+on how they arrived: prefill and token-by-token appends give bit-identical caches, and a step
+writes the new token's ring slots, its leaving value's codes and, every G tokens, one key group.
+Key groups start at token 0 of each sequence, and every quantized group consists of that
+sequence's own tokens (padding of a ragged batch never enters a min or max).
+
+`FullCache` stores k, v [B, max_len, H, D], token-major as cuDNN's attention reads them.
 
 Capacity: outside jit, a write past max_len raises ValueError. Under jit the lengths are not known
 at trace time: the tokens that do not fit are not stored, the length stops at max_len and the
@@ -69,7 +84,7 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 )
 @dataclasses.dataclass(frozen=True)
 class KiviCache:
-    """KIVI quantized KV state of one layer (or all layers, stacked); layout: module doc."""
+    """KIVI quantized KV state of one layer; layout: module doc."""
 
     k_codes: jax.Array
     k_scale: jax.Array
@@ -108,7 +123,7 @@ class KiviCache:
 )
 @dataclasses.dataclass(frozen=True)
 class FullCache:
-    """Full-precision KV state of one layer (or stacked): k, v [B, H, max_len, D], lengths [B]."""
+    """Full-precision KV state of one layer: k, v [B, max_len, H, D] (token-major), lengths [B]."""
 
     k: jax.Array
     v: jax.Array
@@ -126,7 +141,7 @@ class FullCache:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[-3]
+        return self.k.shape[-2]
 
     @property
     def batch(self) -> int:
@@ -154,7 +169,7 @@ def init_cache(
     head_dim: int,
     dtype=jnp.bfloat16,
     num_layers: int | None = None,
-) -> Cache:
+) -> Cache | tuple[Cache, ...]:
     """An empty cache holding up to `max_len` tokens per sequence.
 
     Args:
@@ -162,7 +177,8 @@ def init_cache(
       batch, max_len, num_kv_heads, head_dim: the fixed shape.
       dtype: dtype of the full-precision residual, the scales and zero points (float32, bfloat16
         or float16). Keys and values are cast to it on the way in.
-      num_layers: if given, every array gains a leading axis of this size (one cache per layer).
+      num_layers: if given, a tuple of that many independent caches (one per layer, each array
+        a buffer of its own); otherwise one cache.
     """
     for name, value in [
         ("batch", batch),
@@ -182,8 +198,8 @@ def init_cache(
     lead = (batch, num_kv_heads)
     if config is None:
         shapes = dict(
-            k=((*lead, max_len, head_dim), dtype),
-            v=((*lead, max_len, head_dim), dtype),
+            k=((batch, max_len, num_kv_heads, head_dim), dtype),
+            v=((batch, max_len, num_kv_heads, head_dim), dtype),
         )
     else:
         config.check_head_dim(head_dim)
@@ -202,30 +218,27 @@ def init_cache(
             v_residual=((*lead, r, head_dim), dtype),
         )
     shapes.update(lengths=((batch,), jnp.int32), overflow=((batch,), jnp.bool_))
-    layer = () if num_layers is None else (num_layers,)
-    arrays = {name: jnp.zeros(layer + shape, dt) for name, (shape, dt) in shapes.items()}
-    if config is None:
-        return FullCache(**arrays, max_len=max_len)
-    return KiviCache(**arrays, config=config, max_len=max_len)
+
+    def one():
+        arrays = {name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()}
+        if config is None:
+            return FullCache(**arrays, max_len=max_len)
+        return KiviCache(**arrays, config=config, max_len=max_len)
+
+    return one() if num_layers is None else tuple(one() for _ in range(num_layers))
 
 
-def layer(cache: Cache, index) -> Cache:
-    """The cache of one layer from a cache stacked with `num_layers`."""
-    _check_stacked(cache, stacked=True)
-    return jax.tree.map(lambda x: x[index], cache)
-
-
-def _check_stacked(cache: Cache, *, stacked: bool) -> None:
+def check_cache(cache) -> None:
+    """Raises unless `cache` is one layer's KiviCache or FullCache."""
+    if isinstance(cache, tuple | list):
+        raise TypeError(
+            f"expected one layer's cache, got a {type(cache).__name__} of {len(cache)} (the "
+            f"caches of init_cache(..., num_layers=...)): pass one of them, caches[i]"
+        )
     if not isinstance(cache, KiviCache | FullCache):
         raise TypeError(f"expected a KiviCache or FullCache, got {type(cache).__name__}")
-    ndim = cache.lengths.ndim
-    if stacked and ndim != 2:
-        raise ValueError("this cache has no layer axis (it was made without num_layers)")
-    if not stacked and ndim != 1:
-        raise ValueError(
-            f"this cache has a leading layer axis of size {cache.lengths.shape[0]}; pass one "
-            f"layer's cache (kivi_jax.layer(cache, i), or lax.scan over the layers)"
-        )
+    if cache.lengths.ndim != 1:
+        raise ValueError(f"lengths must be [batch], got shape {cache.lengths.shape}")
 
 
 def _is_concrete(*xs) -> bool:
@@ -251,25 +264,20 @@ def _check_kv(cache: Cache, k: jax.Array, v: jax.Array, *, step: bool) -> None:
         )
 
 
-def prefill(
-    cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None, *, layer=None
-) -> Cache:
+def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None) -> Cache:
     """Adds a chunk of tokens to every sequence.
 
     Args:
-      cache: one layer's cache, empty or already holding tokens (with `layer`: a stacked cache).
+      cache: one layer's cache, empty or already holding tokens.
       k, v: [batch, seq, kv_heads, head_dim], cast to the cache dtype.
       lengths: [batch] ints, how many of the `seq` positions of each row are real (right padding);
         default: all of them.
-      layer: optional int (may be traced). The cache is then stacked (made with num_layers) and
-        only this layer is written, in place under jit: a model's layer scan can carry the whole
-        stacked cache and update it without copying it.
 
     Returns:
       The cache holding the new tokens after the old ones: exactly the state that appending them
       one at a time would give (chunked prefill, multi-turn chat).
     """
-    _check_stacked(cache, stacked=layer is not None)
+    check_cache(cache)
     _check_kv(cache, k, v, step=False)
     seq = k.shape[1]
     if lengths is None:
@@ -289,26 +297,22 @@ def prefill(
                     f"{np.asarray(counts)[bad].tolist()}"
                 )
         counts = jnp.clip(counts.astype(jnp.int32), 0, seq)
-    return _extend(cache, k, v, counts, layer)
+    return _extend(cache, k, v, counts)
 
 
-def append(
-    cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = None, *, layer=None
-) -> Cache:
+def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = None) -> Cache:
     """Adds one decode step's key and value to every active sequence.
 
     Args:
-      cache: one layer's cache (with `layer`: a stacked cache).
+      cache: one layer's cache.
       k, v: [batch, kv_heads, head_dim].
       active: [batch] bools; rows that are False are left untouched. Default: all rows.
-      layer: optional int (may be traced): update only this layer of a stacked cache, in place
-        (see `prefill`).
 
     Returns:
       The updated cache, any flush included (the order of KIVI's Algorithm 1: decode_attention
       afterwards reads the state that holds the new token).
     """
-    _check_stacked(cache, stacked=layer is not None)
+    check_cache(cache)
     _check_kv(cache, k, v, step=True)
     if active is None:
         counts = jnp.ones((cache.batch,), jnp.int32)
@@ -320,43 +324,38 @@ def append(
                 f"{active.dtype}{list(active.shape)}"
             )
         counts = active.astype(jnp.int32)
-    return _extend(cache, k[:, None], v[:, None], counts, layer)
+    return _extend(cache, k[:, None], v[:, None], counts)
 
 
-def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, layer) -> Cache:
-    """Appends counts[b] tokens of k, v [B, S, H, D] to each row b (of one layer if given)."""
-    old = cache.lengths if layer is None else cache.lengths[layer]
-    if _is_concrete(old, counts):
-        new = np.asarray(old) + np.asarray(counts)
+def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
+    """Appends counts[b] tokens of k, v [B, S, H, D] to each row b."""
+    if _is_concrete(cache.lengths, counts):
+        new = np.asarray(cache.lengths) + np.asarray(counts)
         bad = np.flatnonzero(new > cache.max_len)
         if bad.size:
             raise ValueError(
                 f"cache capacity exceeded: max_len={cache.max_len}, but rows {bad.tolist()} "
                 f"would hold {new[bad].tolist()} tokens"
             )
-    return _extend_jit(cache, k, v, counts, layer)
+    return _extend_jit(cache, k, v, counts)
 
 
 @jax.jit
-def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, layer) -> Cache:
-    read = (lambda x: x) if layer is None else (lambda x: x[layer])
-    old = read(cache.lengths)
+def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
+    old = cache.lengths
     fits = jnp.minimum(counts, cache.max_len - old)
     new = old + fits
-    # [B, S, H, D] -> [B, H, S, D], the cache's heads-major order.
-    k = jnp.swapaxes(k, 1, 2).astype(cache.dtype)
-    v = jnp.swapaxes(v, 1, 2).astype(cache.dtype)
+    k, v = k.astype(cache.dtype), v.astype(cache.dtype)
     if isinstance(cache, FullCache):
-        pos = old[:, None] + jnp.arange(k.shape[2])  # [B, S]
+        pos = old[:, None] + jnp.arange(k.shape[1])  # [B, S]
         pos = _drop_unless(pos < new[:, None], pos)
-        scatters, replaced = dict(k=(pos, k), v=(pos, v)), {}
+        updates = dict(k=_scatter(cache.k, pos, k, axis=1), v=_scatter(cache.v, pos, v, axis=1))
     else:
-        scatters, replaced = _extend_kivi(cache, read, k, v, old, new)
-    replaced.update(lengths=new, overflow=read(cache.overflow) | (fits < counts))
-    updates = {name: _scatter(getattr(cache, name), *w, layer) for name, w in scatters.items()}
-    for name, value in replaced.items():
-        updates[name] = value if layer is None else getattr(cache, name).at[layer].set(value)
-    return dataclasses.replace(cache, **updates)
+        # [B, S, H, D] -> [B, H, S, D], the quantized cache's heads-major order.
+        updates = _extend_kivi(cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old, new)
+    return dataclasses.replace(
+        cache, **updates, lengths=new, overflow=cache.overflow | (fits < counts)
+    )
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).
@@ -367,97 +366,90 @@ def _drop_unless(valid: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(valid, index, _DROP)
 
 
-def _scatter(buf: jax.Array, index: jax.Array, values: jax.Array, layer=None) -> jax.Array:
-    """buf[b, :, index[b, j]] = values[b, :, j] per row b; writes at index _DROP are discarded.
+def _scatter(buf: jax.Array, index: jax.Array, values: jax.Array, *, axis: int) -> jax.Array:
+    """buf[b, ..., index[b, j], ...] = values[b, ..., j, ...] along `axis` (>= 1) per row b;
+    writes at index _DROP are discarded. index [B, J]; values are buf's shape with J at `axis`."""
 
-    buf [B, H, N, ...] (or [L, B, H, N, ...], written at `layer` only), index [B, J],
-    values [B, H, J, ...].
-    """
-    if layer is None:
-        row = lambda x, i, u: x.at[:, i].set(u, mode="drop")
-        return jax.vmap(row)(buf, index, values)
-    rows = jnp.arange(index.shape[0])[:, None]
-    # Advanced indices (layer, rows, index) around a slice: the update is [B, J, H, ...].
-    return buf.at[layer, rows, :, index].set(jnp.moveaxis(values, 2, 1), mode="drop")
+    def row(x, i, u):
+        return x.at[(slice(None),) * (axis - 1) + (i,)].set(u, mode="drop")
+
+    return jax.vmap(row)(buf, index, values)
 
 
 def _gather(buf: jax.Array, index: jax.Array) -> jax.Array:
-    """buf[b, :, index[b, j]] per row: buf [B, H, N, D], index [B, J] -> [B, H, J, D]."""
-    return jnp.take_along_axis(buf, index[:, None, :, None], axis=2)
+    """buf[b, :, index[b, j]] per row: buf [B, H, N, D], index [B, J] in [0, N) -> [B, H, J, D]."""
+    return jnp.take_along_axis(
+        buf, index[:, None, :, None], axis=2, mode="promise_in_bounds", wrap_negative_indices=False
+    )
 
 
-def _window(
-    residual: jax.Array, res_index: jax.Array, n_res: jax.Array, new: jax.Array, width: int
-) -> jax.Array:
-    """Per row, the old residual tokens (n_res of them, read at res_index) followed by new tokens.
+def _ring_step(ring, new, start, old, width: int, keep):
+    """One pass over a ring (token t at slot t % R): reads the window of tokens
+    [start, start + width) (those below `old` from the ring, the rest from the new tokens) and
+    writes the new tokens where `keep`, reading the ring once.
 
-    residual [B, H, R, D], res_index [B, width], n_res [B], new [B, H, S, D] -> [B, H, width, D].
+    ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...), start and old [B],
+    keep [B, S] -> (window [B, H, width, D], the updated ring).
     """
-    j = jnp.arange(width)
-    from_new = jnp.clip(j[None, :] - n_res[:, None], 0, new.shape[2] - 1)  # [B, width]
-    use_res = (j[None, :] < n_res[:, None])[:, None, :, None]
-    return jnp.where(use_res, _gather(residual, res_index), _gather(new, from_new))
-
-
-def _residual(win: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:
-    """The new residual: slot s = win[b, :, index[b, s]] where held[b, s], else zero.
-
-    Rewriting every slot (stale ones as zero) makes the state a function of the tokens alone, so
-    prefill and token-by-token appends give bit-identical caches.
-    win [B, H, W, D], index and held [B, R] -> [B, H, R, D].
-    """
-    index = jnp.clip(index, 0, win.shape[2] - 1)
-    return jnp.where(held[:, None, :, None], _gather(win, index), jnp.zeros((), win.dtype))
+    j = start[:, None] + jnp.arange(width)  # [B, width] the window's tokens
+    t = old[:, None] + jnp.arange(new.shape[2])  # [B, S] the new tokens
+    slot = t % ring.shape[2]
+    read = _gather(ring, jnp.concatenate([j % ring.shape[2], slot], axis=1))
+    from_new = _gather(new, jnp.clip(j - old[:, None], 0, new.shape[2] - 1))
+    window = jnp.where((j < old[:, None])[:, None, :, None], read[:, :, :width], from_new)
+    # The written values depend on the read (a slot not written keeps its old contents), so
+    # XLA orders the read first and updates the ring in place instead of copying it.
+    values = jnp.where(keep[:, None, :, None], new, read[:, :, width:])
+    return window, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
 
 
 def _extend_kivi(
     cache: KiviCache,
-    read,  # one layer's view of a cache array
     k: jax.Array,  # [B, H, S, D]
     v: jax.Array,  # [B, H, S, D]
     old: jax.Array,  # [B] lengths before
     new: jax.Array,  # [B] lengths after
-):
-    """The writes that add the new tokens: (scatters {field: (index, values)}, {field: value})."""
+) -> dict[str, jax.Array]:
+    """The arrays with the new tokens written: only their entries change (module doc)."""
     cfg = cache.config
     g, r, dtype = cfg.group_size, cfg.residual_length, cache.dtype
     seq = k.shape[2]
-
-    # Keys. The window starts at the old quantized count q0 (a multiple of R), holds the old key
-    # residual (tokens [q0, old), slots 0..) and then the new tokens; tokens [q0, q1) are flushed.
-    q0, q1 = old - old % r, new - new % r
-    width = r + _round_up(seq, g)
-    j = jnp.arange(width)
-    slot = jnp.broadcast_to(j % r, (cache.batch, width))
-    win = _window(read(cache.k_residual), slot, old - q0, k, width)  # [B, H, width, D]
-    codes, scale, zero = quantization.quantize(win, cfg.k_bits, g, axis=2, dtype=dtype)
-    packed = quantization.pack_codes(codes, cfg.k_bits, axis=2)  # [B, H, width // kpb, D]
     kpb = quantization.codes_per_byte(cfg.k_bits)
-    jb, jg = jnp.arange(width // kpb), jnp.arange(width // g)
-    byte_pos = _drop_unless(jb[None] * kpb < (q1 - q0)[:, None], q0[:, None] // kpb + jb[None])
-    group_pos = _drop_unless(jg[None] * g < (q1 - q0)[:, None], q0[:, None] // g + jg[None])
-    scatters = dict(
-        k_codes=(byte_pos, packed), k_scale=(group_pos, scale), k_zero=(group_pos, zero)
-    )
-    # Slot s now holds token q1 + s (window index q1 - q0 + s) while that token is held.
-    s = jnp.arange(r)
-    k_residual = _residual(win, (q1 - q0)[:, None] + s, s < (new - q1)[:, None])
 
-    # Values. The window starts at the old residual start p0 and holds min(old, R) residual tokens
-    # then the new ones; tokens [p0, p1) leave the window quantized, [p1, new) stay in it.
+    # Both rings take the new tokens that are among the last R, each at its slot t % R.
+    t = old[:, None] + jnp.arange(seq)  # [B, seq]
+    keep = (t < new[:, None]) & (t >= new[:, None] - r)
+
+    # Keys: the groups from g0, the start of the group the old tokens left open (its first
+    # old - g0 < G tokens are in the ring), to `done`, the end of the complete groups.
+    g0, done = old - old % g, new - new % g
+    width = _round_up(g - 1 + seq, g)
+    win, k_ring = _ring_step(cache.k_residual, k, g0, old, width, keep)  # [B, H, width, D]
+    codes, k_scale, k_zero = quantization.quantize(win, cfg.k_bits, g, axis=2, dtype=dtype)
+    k_codes = quantization.pack_codes(codes, cfg.k_bits, axis=2)  # [B, H, width // kpb, D]
+    jb, jg = jnp.arange(width // kpb), jnp.arange(width // g)
+    byte_pos = _drop_unless(jb * kpb < (done - g0)[:, None], g0[:, None] // kpb + jb)
+    group_pos = _drop_unless(jg * g < (done - g0)[:, None], g0[:, None] // g + jg)
+
+    # Values: the tokens [p0, p1) leave the window (p1 - p0 <= seq), read from the ring before
+    # the new tokens take their slots, then from the new tokens.
     p0, p1 = jnp.maximum(old - r, 0), jnp.maximum(new - r, 0)
-    width = r + seq
-    j = jnp.arange(width)
-    pos = p0[:, None] + j[None]  # [B, width] absolute token positions
-    win = _window(read(cache.v_residual), pos % r, old - p0, v, width)
-    codes, scale, zero = quantization.quantize(win, cfg.v_bits, g, axis=3, dtype=dtype)
-    packed = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, width, D // vpb]
+    win, v_ring = _ring_step(cache.v_residual, v, p0, old, seq, keep)  # [B, H, seq, D]
+    codes, v_scale, v_zero = quantization.quantize(win, cfg.v_bits, g, axis=3, dtype=dtype)
+    v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
+    pos = p0[:, None] + jnp.arange(seq)
     out = _drop_unless(pos < p1[:, None], pos)
-    # Slot s now holds the token t in [p1, p1 + R) with t % R == s, while t < new.
-    t = p1[:, None] + (s[None] - p1[:, None]) % r  # [B, R]
-    v_residual = _residual(win, t - p0[:, None], t < new[:, None])
-    scatters.update(v_codes=(out, packed), v_scale=(out, scale), v_zero=(out, zero))
-    return scatters, dict(k_residual=k_residual, v_residual=v_residual)
+
+    writes = dict(
+        k_codes=(byte_pos, k_codes),
+        k_scale=(group_pos, k_scale),
+        k_zero=(group_pos, k_zero),
+        v_codes=(out, v_codes),
+        v_scale=(out, v_scale),
+        v_zero=(out, v_zero),
+    )
+    updated = {name: _scatter(getattr(cache, name), *w, axis=2) for name, w in writes.items()}
+    return updated | dict(k_residual=k_ring, v_residual=v_ring)
 
 
 def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
@@ -466,9 +458,9 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
     C is the allocated capacity (>= max_len). This is the plain-jnp view that references and
     tests read; kernels read the packed state instead.
     """
-    _check_stacked(cache, stacked=False)
-    if isinstance(cache, FullCache):
-        k, v = cache.k.astype(jnp.float32), cache.v.astype(jnp.float32)
+    check_cache(cache)
+    if isinstance(cache, FullCache):  # [B, T, H, D] -> [B, H, T, D]
+        k, v = (jnp.swapaxes(x, 1, 2).astype(jnp.float32) for x in (cache.k, cache.v))
     else:
         cfg = cache.config
         g, r = cfg.group_size, cfg.residual_length

@@ -1,11 +1,14 @@
 """Autoregressive generation with the KV state threaded through a jit-compiled decode loop.
 
     tokens -> prefill (full-precision attention over the prompt, then kivi_jax.prefill of every
-    layer's K/V) -> first token -> lax.while_loop of decode steps (kivi_jax.append +
+    layer's K/V) -> first token -> a loop of decode steps (kivi_jax.append +
     kivi_jax.decode_attention in every layer) -> sampled tokens
 
-`generate` runs all of it in one jit with the cache buffers donated. `TokenStream` runs the same
-two jitted pieces (prefill, one decode step) from Python so a CLI can print tokens as they come.
+`generate` runs two compiled programs, each with the KV state donated so that it is updated in
+place: the prefill with the first token, and the whole decode loop (with an EOS, steps in chunks
+of DECODE_CHUNK under one `lax.while_loop`, which stops once every row has produced it).
+`TokenStream` runs the prefill and one decode step at a time from Python so a CLI can print
+tokens as they come.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from kivi_jax.models.llama import LlamaParams
 
 KV_PRESETS: dict[str, KiviConfig | None] = {"full": None, "kivi2": KIVI2, "kivi4": KIVI4}
 PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer recompilations)
+# Decode steps between two checks of whether every row is done (with an EOS). On a GPU each
+# check is a round trip to the host (the loop's condition is read back: gaps of over 2 ms on
+# the H200, docs/performance.md), while steps of a fixed count are not; rows done early stay
+# padded for at most DECODE_CHUNK - 1 steps.
+DECODE_CHUNK = 32
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
@@ -87,7 +95,7 @@ class SamplingState:
     generated: jax.Array  # int32 [B, N], pad_id where nothing was generated
     positions: jax.Array  # int32 [B]: position of the last generated token (= tokens in cache)
     done: jax.Array  # bool [B]: the sequence has produced its EOS
-    cache: object  # the KV state, leading layer axis
+    cache: tuple  # the KV state, one cache per layer
     key: jax.Array  # PRNG key
 
 
@@ -123,24 +131,33 @@ def _step(params, state: SamplingState, *, sampling: Sampling) -> SamplingState:
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
-)
-def _generate(params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling):
-    state = _start(
-        params, tokens, lengths, cache, key, max_new_tokens=max_new_tokens, sampling=sampling
-    )
+def _decode(params, state: SamplingState, *, max_new_tokens: int, sampling: Sampling):
+    """The decode steps after the first token. Without an EOS every step runs, in one loop of
+    a fixed count; with one, in chunks of DECODE_CHUNK steps while a row is live, then the
+    remainder (rows done by then stay padded)."""
+    step = functools.partial(_step, params, sampling=sampling)
 
-    def cond(s: SamplingState):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+    def run(n, s):
+        return jax.lax.fori_loop(0, n, lambda _, s: step(s), s)
 
-    state = jax.lax.while_loop(cond, functools.partial(_step, params, sampling=sampling), state)
-    # Returning the cache lets XLA alias it to the donated input: the loop updates it in place.
-    return state.generated, state.cache
+    if sampling.eos_id is None:
+        return run(max_new_tokens - 1, state)
+    chunks, tail = divmod(max_new_tokens - 1, DECODE_CHUNK)
+
+    def live(s: SamplingState):
+        return (s.step < 1 + chunks * DECODE_CHUNK) & ~jnp.all(s.done)
+
+    state = jax.lax.while_loop(live, functools.partial(run, DECODE_CHUNK), state)
+    # Returning the whole state lets XLA alias it to the donated input: the loop updates the
+    # cache in place.
+    return run(tail, state)
 
 
 _start_jit = jax.jit(
     _start, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
+)
+_decode_jit = jax.jit(
+    _decode, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("state",)
 )
 _step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
 
@@ -238,16 +255,11 @@ def generate(
     tokens, lengths, cache = _prepare(
         params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling
     )
-    generated, _ = _generate(
-        params,
-        tokens,
-        lengths,
-        cache,
-        jax.random.key(seed),
-        max_new_tokens=int(max_new_tokens),
-        sampling=sampling,
+    n = int(max_new_tokens)
+    state = _start_jit(
+        params, tokens, lengths, cache, jax.random.key(seed), max_new_tokens=n, sampling=sampling
     )
-    return generated
+    return _decode_jit(params, state, max_new_tokens=n, sampling=sampling).generated
 
 
 @dataclasses.dataclass
@@ -308,7 +320,7 @@ class TokenStream:
             prompt_tokens=int(np.asarray(self.lengths).sum()),
             kv_bytes=report.total_bytes,
             kv_full_bytes=report.full_precision_bytes,
-            kv_capacity=cache.max_len,
+            kv_capacity=cache[0].max_len,
         )
         t0 = time.perf_counter()
         key = jax.random.key(seed)

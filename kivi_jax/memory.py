@@ -35,8 +35,16 @@ class MemoryReport:
         return 8 * self.total_bytes / self.capacity_values
 
 
-def memory_report(cache: Cache) -> MemoryReport:
-    """Exact bytes the arrays of `cache` occupy (one layer or stacked)."""
+def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
+    """Exact bytes the arrays of `cache` occupy (one layer, or a tuple of layers: their sum)."""
+    if isinstance(cache, tuple | list):
+        reports = [memory_report(c) for c in cache]
+        return MemoryReport(
+            **{
+                f.name: sum(getattr(r, f.name) for r in reports)
+                for f in dataclasses.fields(reports[0])
+            }
+        )
     size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
     counters = size(cache.lengths, cache.overflow)
     if isinstance(cache, FullCache):

@@ -1,20 +1,25 @@
 """A Llama-family decoder as pure functions over a weight pytree.
 
 The weights are a `flax.struct` dataclass whose static field is the `LlamaConfig`, so `params`
-alone is enough to jit any entry point. The decoder blocks are stacked on a leading layer axis and
-run with one `lax.scan`, so a forward pass compiles one block whatever the depth.
+alone is enough to jit any entry point. Each decoder block's weights are arrays of their own (a
+tuple of `LayerWeights`), and the blocks run as a Python loop unrolled into the program: every
+matmul reads its weight buffer where it lies and every layer's KV state is a buffer of its own,
+so a decode step copies neither. (Under `lax.scan` over stacked weights, XLA copies each layer's
+weight matrices out of the stack before the matmuls read them: H200, 7B widths, batch 16, 1.37
+against 0.51 ms for 4 layers; benchmarks/results/layer_layout.md, docs/design.md.) XLA
+compiles each distinct Pallas kernel once however many layers call it.
 
 Three entry points share the same block code:
   forward         tokens [B, S] -> float32 logits [B, S, V]; causal full-precision attention.
-  prefill         the same over a (right-padded) prompt, and each layer's K/V written into the KV
-                  state with `kivi_jax.prefill(..., layer=i)`; returns the logits of each
-                  prompt's last token.
+  prefill         the same over a (right-padded) prompt, and each layer's K/V written into its
+                  KV state with `kivi_jax.prefill`; returns the logits of each prompt's last
+                  token.
   decode_step     one token per sequence: each layer appends its K/V to the state with
                   `kivi_jax.append`, then attends with `kivi_jax.decode_attention` (full-precision
                   and KIVI states go through this same code).
 
 Axis letters: B batch, S/T query/key tokens, d model width, F MLP width, V vocabulary,
-N query heads, H KV heads, D head_dim, L layers.
+N query heads, H KV heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -31,23 +36,22 @@ from kivi_jax.models.rope import apply_rope, rope_angles
 
 from kivi_jax.attention import decode_attention
 from kivi_jax.cache import append as cache_append
-from kivi_jax.cache import layer as cache_layer
 from kivi_jax.cache import prefill as cache_prefill
 
 
 @flax.struct.dataclass
 class LayerWeights:
-    """All decoder blocks' weights, stacked on a leading layer axis L (x @ w layout: [in, out])."""
+    """One decoder block's weights (x @ w layout: [in, out])."""
 
-    attn_norm: jax.Array  # [L, d]
-    wq: jax.Array  # [L, d, N*D]
-    wk: jax.Array  # [L, d, H*D]
-    wv: jax.Array  # [L, d, H*D]
-    wo: jax.Array  # [L, N*D, d]
-    mlp_norm: jax.Array  # [L, d]
-    w_gate: jax.Array  # [L, d, F]
-    w_up: jax.Array  # [L, d, F]
-    w_down: jax.Array  # [L, F, d]
+    attn_norm: jax.Array  # [d]
+    wq: jax.Array  # [d, N*D]
+    wk: jax.Array  # [d, H*D]
+    wv: jax.Array  # [d, H*D]
+    wo: jax.Array  # [N*D, d]
+    mlp_norm: jax.Array  # [d]
+    w_gate: jax.Array  # [d, F]
+    w_up: jax.Array  # [d, F]
+    w_down: jax.Array  # [F, d]
 
 
 @flax.struct.dataclass
@@ -55,7 +59,7 @@ class LlamaParams:
     """The weight pytree. `config` is static (not a leaf), so jit specializes on it."""
 
     embed: jax.Array  # [V, d]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]  # one per decoder block
     final_norm: jax.Array  # [d]
     lm_head: jax.Array | None  # [d, V], None when the embeddings are tied
     config: LlamaConfig = flax.struct.field(pytree_node=False)
@@ -71,8 +75,8 @@ class LlamaParams:
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
     """Random weights (scaled normal; norms near 1) for tests and benchmarks of the shapes."""
     c = config
-    L, d, F = c.num_layers, c.hidden_size, c.intermediate_size
-    keys = iter(jax.random.split(key, 16))
+    d, F = c.hidden_size, c.intermediate_size
+    keys = iter(jax.random.split(key, 3 + 9 * c.num_layers))
 
     def dense(shape, fan_in):
         return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
@@ -80,16 +84,19 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
     def norm(shape):
         return (1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    layers = LayerWeights(
-        attn_norm=norm((L, d)),
-        wq=dense((L, d, c.num_heads * c.head_dim), d),
-        wk=dense((L, d, c.num_kv_heads * c.head_dim), d),
-        wv=dense((L, d, c.num_kv_heads * c.head_dim), d),
-        wo=dense((L, c.num_heads * c.head_dim, d), c.num_heads * c.head_dim),
-        mlp_norm=norm((L, d)),
-        w_gate=dense((L, d, F), d),
-        w_up=dense((L, d, F), d),
-        w_down=dense((L, F, d), F),
+    layers = tuple(
+        LayerWeights(
+            attn_norm=norm((d,)),
+            wq=dense((d, c.num_heads * c.head_dim), d),
+            wk=dense((d, c.num_kv_heads * c.head_dim), d),
+            wv=dense((d, c.num_kv_heads * c.head_dim), d),
+            wo=dense((c.num_heads * c.head_dim, d), c.num_heads * c.head_dim),
+            mlp_norm=norm((d,)),
+            w_gate=dense((d, F), d),
+            w_up=dense((d, F), d),
+            w_down=dense((F, d), F),
+        )
+        for _ in range(c.num_layers)
     )
     embed = dense((c.vocab_size, d), 1.0) * jnp.asarray(0.5, dtype)
     lm_head = None if c.tie_embeddings else dense((d, c.vocab_size), d)
@@ -99,29 +106,29 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
 def validate_params(params: LlamaParams) -> None:
     """Checks every weight's shape against the config (a loader's last line of defence)."""
     c = params.config
-    L, d, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    d, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    expected = {
-        "embed": (V, d),
-        "final_norm": (d,),
-        "layers.attn_norm": (L, d),
-        "layers.wq": (L, d, qd),
-        "layers.wk": (L, d, kvd),
-        "layers.wv": (L, d, kvd),
-        "layers.wo": (L, qd, d),
-        "layers.mlp_norm": (L, d),
-        "layers.w_gate": (L, d, F),
-        "layers.w_up": (L, d, F),
-        "layers.w_down": (L, F, d),
-    }
+    if len(params.layers) != c.num_layers:
+        raise ValueError(f"{len(params.layers)} layers of weights, the config has {c.num_layers}")
+    layer = dict(
+        attn_norm=(d,),
+        wq=(d, qd),
+        wk=(d, kvd),
+        wv=(d, kvd),
+        wo=(qd, d),
+        mlp_norm=(d,),
+        w_gate=(d, F),
+        w_up=(d, F),
+        w_down=(F, d),
+    )
+    expected = {"embed": (params.embed, (V, d)), "final_norm": (params.final_norm, (d,))}
+    for i, lw in enumerate(params.layers):
+        expected |= {f"layers[{i}].{n}": (getattr(lw, n), shape) for n, shape in layer.items()}
     if not c.tie_embeddings:
-        expected["lm_head"] = (d, V)
-    for name, shape in expected.items():
-        obj = params
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        if obj is None or tuple(obj.shape) != shape:
-            got = None if obj is None else tuple(obj.shape)
+        expected["lm_head"] = (params.lm_head, (d, V))
+    for name, (w, shape) in expected.items():
+        if w is None or tuple(w.shape) != shape:
+            got = None if w is None else tuple(w.shape)
             raise ValueError(f"weight {name} has shape {got}, the config implies {shape}")
 
 
@@ -165,6 +172,13 @@ def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     return jnp.take(params.embed, tokens, axis=0)
 
 
+def _prompt_attention_impl(dtype) -> str | None:
+    """cuDNN's flash attention on a GPU for bfloat16/float16 (no [B, N, S, S] scores in memory),
+    else XLA's."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else None
+
+
 def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
     """One decoder block over a right-padded prompt: h [B, S, d] -> (h, q [B, S, N, D], k, v).
 
@@ -183,6 +197,7 @@ def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
             is_causal=True,
             key_value_seq_lengths=lengths,
             scale=1.0 / math.sqrt(c.head_dim),
+            implementation=_prompt_attention_impl(q.dtype),
         )  # [B, S, N, D]; padded keys (t >= lengths[b]) masked out
     else:
         attn = attention(q, k, v, lengths).astype(h.dtype)
@@ -200,17 +215,17 @@ def _check_tokens(params: LlamaParams, tokens) -> None:
 
 
 def _prompt_pass(params, tokens, lengths, attention, collect: bool):
-    """Every block over the prompt: (h [B, S, d], (q, k, v) stacked [L, ...] if collect)."""
+    """Every block over the prompt: (h [B, S, d], per layer (q, k, v) if collect)."""
     _check_tokens(params, tokens)
     c = params.config
     B, S = tokens.shape
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-
-    def body(h, lw):
+    h, qkv = _embed(params, tokens), []
+    for lw in params.layers:
         h, q, k, v = _prompt_block(lw, h, lengths, c, attention)
-        return h, (q, k, v) if collect else None
-
-    return jax.lax.scan(body, _embed(params, tokens), params.layers)
+        if collect:
+            qkv.append((q, k, v))
+    return h, qkv
 
 
 @functools.partial(jax.jit, static_argnames=("attention",))
@@ -252,73 +267,60 @@ def forward_with_qkv(
       (float32 logits [B, S, V], or [B, V] with `logits_at`; q [L, B, S, N, D]; k, v
       [L, B, S, H, D]).
     """
-    h, (q, k, v) = _prompt_pass(params, tokens, lengths, attention, collect=True)
+    h, qkv = _prompt_pass(params, tokens, lengths, attention, collect=True)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
+    q, k, v = (jnp.stack(x) for x in zip(*qkv, strict=True))
     return _logits(params, h), q, k, v
 
 
-def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cache):
-    """Runs the prompt and writes every layer's K/V into the (empty) KV state.
+def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, caches):
+    """Runs the prompt and writes every layer's K/V into its (empty) KV state.
 
     Args:
       params: the weights.
       tokens: int [B, S], right-padded prompts.
       lengths: int32 [B], the real prompt lengths (>= 1).
-      cache: a KV state from `kivi_jax.init_cache(..., num_layers=L)` (leading layer axis).
+      caches: one KV state per layer (`kivi_jax.init_cache(..., num_layers=L)`).
 
     Returns:
-      (float32 logits of each prompt's last real token [B, V], the filled state).
+      (float32 logits of each prompt's last real token [B, V], the filled states).
     """
     _check_tokens(params, tokens)
     c = params.config
-
-    def body(carry, xs):
-        h, cache = carry
-        lw, i = xs
+    h, filled = _embed(params, tokens), []
+    for lw, cache in zip(params.layers, caches, strict=True):
         h, _, k, v = _prompt_block(lw, h, lengths, c)
-        return (h, cache_prefill(cache, k, v, lengths, layer=i)), None  # layer i, in place
-
-    layers = (params.layers, jnp.arange(c.num_layers))
-    (h, cache), _ = jax.lax.scan(body, (_embed(params, tokens), cache), layers)
+        filled.append(cache_prefill(cache, k, v, lengths))
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
-    return _logits(params, last), cache
+    return _logits(params, last), tuple(filled)
 
 
-def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, cache, active=None):
+def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, caches, active=None):
     """One decode step: feeds one token per sequence, appends its K/V, attends over the state.
 
     Args:
       params: the weights.
       tokens: int32 [B], the token fed at this step.
       positions: int32 [B], its position (the number of tokens already in the state).
-      cache: the KV state (leading layer axis).
+      caches: one KV state per layer.
       active: optional bool [B]; inactive sequences append nothing (their logits are meaningless).
 
     Returns:
-      (float32 logits [B, V], the updated state).
+      (float32 logits [B, V], the updated states).
     """
     c = params.config
     B = tokens.shape[0]
-
-    # The stacked cache rides in the scan carry and each layer writes only its own slice, in
-    # place (append(..., layer=i)). Threading it through the scan as xs/ys instead would copy the
-    # whole cache every step (CPU, float32, 2k context: 184 -> ~75 ms per step with the full
-    # cache; with KIVI-2 this also beat appending after the scan, ~105 vs ~125 ms).
-    def body(carry, xs):
-        h, cache = carry
-        lw, i = xs
+    h, updated = _embed(params, tokens), []
+    for lw, cache in zip(params.layers, caches, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
-        cache = cache_append(cache, k, v, active=active, layer=i)
-        attn = decode_attention(q, cache_layer(cache, i))  # [B, N, D], includes this token
+        cache = cache_append(cache, k, v, active=active)
+        attn = decode_attention(q, cache)  # [B, N, D], includes this token
         h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
         h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
-        return (h, cache), None
-
-    layers = (params.layers, jnp.arange(c.num_layers))
-    (h, cache), _ = jax.lax.scan(body, (_embed(params, tokens), cache), layers)
-    return _logits(params, h), cache
+        updated.append(cache)
+    return _logits(params, h), tuple(updated)
 
 
 def param_bytes(params: LlamaParams) -> int:

@@ -73,11 +73,9 @@ def test_bad_queries_are_rejected():
         kj.decode_attention(jnp.zeros((2, 2, 64)), cache)
     with pytest.raises(ValueError, match="impl must be one of"):
         kj.decode_attention(jnp.zeros((2, 2, 32)), cache, impl="cuda")
-    stacked = kj.init_cache(
-        kj.KIVI2, batch=2, max_len=40, num_kv_heads=2, head_dim=32, num_layers=2
-    )
-    with pytest.raises(ValueError, match="one layer's cache"):
-        kj.decode_attention(jnp.zeros((2, 2, 32)), stacked)
+    caches = kj.init_cache(kj.KIVI2, batch=2, max_len=40, num_kv_heads=2, head_dim=32, num_layers=2)
+    with pytest.raises(TypeError, match="expected one layer's cache"):
+        kj.decode_attention(jnp.zeros((2, 2, 32)), caches)
 
 
 GRID = [(2, g, r) for g, r in [(4, 8), (4, 64), (32, 64), (32, 128), (64, 64), (64, 128)]]

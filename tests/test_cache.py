@@ -28,9 +28,9 @@ def test_paper_example_g4_r8_d8(rng):
     k, v = random_kv(rng, 1, 16, 1, 8)
     cache = kj.prefill(_cache(cfg, max_len=16), k[:, :10], v[:, :10])
     # Keys: r = 10 mod 8 = 2, tokens 0-7 quantized as 2 groups of 4, tokens 8-9 in the residual.
-    np.testing.assert_array_equal(cache.k_residual[0, 0, :2], k[0, 8:10, 0])
+    np.testing.assert_array_equal(cache.k_residual[0, 0, np.arange(2, 10) % 8], k[0, 2:10, 0])
     assert np.all(np.asarray(cache.k_scale[0, 0, :2]) > 0)  # groups 0 and 1 formed
-    assert np.all(np.asarray(cache.k_scale[0, 0, 2:]) == 0)  # nothing beyond token 8
+    assert np.all(np.asarray(cache.k_scale[0, 0, 2:]) == 0)  # tokens 8-9: no complete group
     # Values: tokens 0-1 quantized per token (2 groups of 4 channels each), tokens 2-9 residual.
     assert np.all(np.asarray(cache.v_scale[0, 0, :2]) > 0)
     assert np.all(np.asarray(cache.v_scale[0, 0, 2:]) == 0)
@@ -51,7 +51,8 @@ def test_paper_example_g4_r8_d8(rng):
             [False] * (t + 1 - 8) + [True] * 8
         )
     assert np.all(np.asarray(cache.k_scale[0, 0, 2:4]) > 0)  # tokens 8-15: 2 new key groups
-    assert np.all(np.asarray(cache.k_residual) == 0)  # emptied
+    # The rings hold the last R = 8 tokens, 8-15, at slots t % 8 (the flushed keys included).
+    np.testing.assert_array_equal(cache.k_residual[0, 0, np.arange(8, 16) % 8], k[0, 8:16, 0])
 
 
 def test_key_groups_are_per_channel_over_tokens(rng):
@@ -194,16 +195,33 @@ def test_append_compiles_once(rng):
     assert cache.lengths.tolist() == [20, 20]
 
 
-def test_num_layers_stacks_every_array():
-    cache = _cache(kj.KIVI2, batch=2, max_len=100, heads=3, head_dim=64, num_layers=4)
-    assert all(x.shape[0] == 4 for x in jax.tree.leaves(cache))
-    one = kj.layer(cache, 1)
-    assert tree_equal(one, _cache(kj.KIVI2, batch=2, max_len=100, heads=3, head_dim=64))
+def test_num_layers_gives_one_cache_per_layer():
+    caches = _cache(kj.KIVI2, batch=2, max_len=100, heads=3, head_dim=64, num_layers=4)
+    assert isinstance(caches, tuple) and len(caches) == 4
+    one = _cache(kj.KIVI2, batch=2, max_len=100, heads=3, head_dim=64)
+    assert all(tree_equal(c, one) for c in caches)
+    # Separate buffers: a step reads and writes each layer's arrays without slicing.
+    leaves = [x.unsafe_buffer_pointer() for c in caches for x in jax.tree.leaves(c)]
+    assert len(set(leaves)) == len(leaves)
     # C = max_len rounded up to G = 32: 128 token positions, 2-bit keys packed 4 per byte.
     assert one.k_codes.shape == (2, 3, 32, 64) and one.v_codes.shape == (2, 3, 128, 16)
     assert one.k_scale.shape == (2, 3, 4, 64) and one.v_scale.shape == (2, 3, 128, 2)
-    with pytest.raises(ValueError, match="leading layer axis"):
-        kj.append(cache, jnp.zeros((2, 3, 64)), jnp.zeros((2, 3, 64)))
+    with pytest.raises(TypeError, match=r"tuple of 4 .* pass one of them, caches\[i\]"):
+        kj.append(caches, jnp.zeros((2, 3, 64)), jnp.zeros((2, 3, 64)))
+
+
+def test_a_key_group_is_quantized_when_its_last_token_arrives(rng):
+    # G = 4, R = 8: the group of tokens 4-7 gets its codes at token 7, before the flush at 8
+    # moves Qk; attention reads those keys from the ring until then.
+    cfg = kj.KiviConfig(group_size=4, residual_length=8)
+    k, v = random_kv(rng, 1, 8, 1, 8)
+    cache = kj.prefill(_cache(cfg, max_len=16), k[:, :7], v[:, :7])
+    assert np.all(np.asarray(cache.k_scale[0, 0, :1]) > 0)  # tokens 0-3
+    assert not np.any(np.asarray(cache.k_scale[0, 0, 1:]))
+    cache = kj.append(cache, k[:, 7], v[:, 7])
+    assert np.all(np.asarray(cache.k_scale[0, 0, :2]) > 0)  # tokens 4-7 now too
+    dk, _ = kj.dequantize(cache)
+    assert _held_exactly(dk[0, :8], k[0, :8]).tolist() == [False] * 8  # Qk = 8: all quantized
 
 
 def test_full_cache_stores_tokens_verbatim(rng):
@@ -220,6 +238,8 @@ def test_full_cache_stores_tokens_verbatim(rng):
     np.testing.assert_array_equal(dk[1, :5], k[1, :5])
     np.testing.assert_array_equal(dv[1, 5], v[1, 8])  # row 1's step lands after its 5 tokens
     assert not np.any(np.asarray(dk[1, 6:]))
+    assert cache.k.shape == (2, 12, 2, 8)  # token-major [B, T, H, D], as cuDNN reads it
+    np.testing.assert_array_equal(cache.k[0, :9], k[0])
 
 
 @pytest.mark.parametrize("config", [None, CONFIGS[0]])
@@ -302,37 +322,17 @@ def test_packed_layout_matches_the_documented_bit_order(rng):
     np.testing.assert_array_equal(cache.k_codes[0, 0, 0], byte0)
 
 
-@pytest.mark.parametrize("config", [None, CONFIGS[0]])
-def test_layer_indexed_writes_equal_per_layer_writes(rng, config):
-    stacked = _cache(config, batch=2, heads=2, num_layers=3)
-    k, v = random_kv(rng, 2, 11, 2, 8)
-    stacked = kj.prefill(stacked, k[:, :10], v[:, :10], lengths=jnp.array([10, 6]), layer=1)
-    stacked = jax.jit(kj.append)(stacked, k[:, 10], v[:, 10], layer=jnp.int32(1))
-    alone = kj.prefill(
-        _cache(config, batch=2, heads=2), k[:, :10], v[:, :10], lengths=jnp.array([10, 6])
-    )
-    alone = kj.append(alone, k[:, 10], v[:, 10])
-    assert tree_equal(kj.layer(stacked, 1), alone)
-    assert tree_equal(kj.layer(stacked, 0), _cache(config, batch=2, heads=2))
-    with pytest.raises(ValueError, match="no layer axis"):
-        kj.append(alone, k[:, 0], v[:, 0], layer=0)
-
-
-@pytest.mark.parametrize("layer", [None, 2])
-def test_a_jitted_append_does_not_copy_the_cache(layer):
-    # With the cache donated, a step's scratch memory is its window of R + G tokens, whatever the
-    # capacity. (float32: XLA on the CPU widens bfloat16 scatters to float32, a CPU-only copy.)
+@pytest.mark.parametrize("config", [None, kj.KIVI2])
+def test_a_jitted_append_does_not_copy_the_cache(config):
+    # With the cache donated, a step's scratch memory is what it writes (a token, the group it
+    # may complete, the value leaving the window), whatever the capacity.
+    # (float32: XLA on the CPU widens bfloat16 scatters to float32, a CPU-only copy.)
     def scratch_bytes(max_len):
-        cache = _cache(
-            kj.KIVI2,
-            batch=2,
-            max_len=max_len,
-            heads=2,
-            head_dim=64,
-            num_layers=None if layer is None else 4,
-        )
+        cache = _cache(config, batch=2, max_len=max_len, heads=2, head_dim=64)
         k = jnp.ones((2, 2, 64))
-        step = jax.jit(lambda c, k, v: kj.append(c, k, v, layer=layer), donate_argnums=0)
+        step = jax.jit(kj.append, donate_argnums=0)
         return step.lower(cache, k, k).compile().memory_analysis().temp_size_in_bytes
 
-    assert scratch_bytes(4096) == scratch_bytes(32768)
+    small = scratch_bytes(4096)
+    assert small == scratch_bytes(32768)
+    assert small < 2 * 2 * 128 * 64 * 4  # less than one ring: no array of the cache is copied

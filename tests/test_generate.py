@@ -6,15 +6,24 @@ token, which would make token-equality checks vacuous.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_model import tiny_params, write_gguf
+from tiny_model import tiny_config, tiny_params, write_gguf
 
 import kivi_jax
 from kivi_jax.config import KiviConfig
-from kivi_jax.generate import TokenStream, _generate, generate, generate_text
+from kivi_jax.generate import (
+    DECODE_CHUNK,
+    TokenStream,
+    _decode_jit,
+    _start_jit,
+    generate,
+    generate_text,
+)
 
 N = 12  # new tokens per test
 
@@ -80,15 +89,17 @@ def test_prompt_in_a_ragged_batch_yields_the_same_tokens_as_alone(params, kv):
     np.testing.assert_array_equal(out[1], generate(params, short[None], kv=kv, max_new_tokens=N)[0])
 
 
-def test_each_sequence_stops_at_its_eos_and_is_padded_with_it(params):
+@pytest.mark.parametrize("n", [N, 2 * DECODE_CHUNK + 5])  # the loop's chunks and remainder
+def test_each_sequence_stops_at_its_eos_and_is_padded_with_it(params, n):
     a, b = prompt(30, seed=5), prompt(30, seed=6)
-    free = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=N))
-    eos = int(free[0, 3])  # row 0 produces this token at step 3
-    assert eos not in free[0, :3]
-    out = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=N, eos_id=eos))
-    np.testing.assert_array_equal(out[0, :4], free[0, :4])
-    assert (out[0, 4:] == eos).all()
-    stop = list(free[1]).index(eos) + 1 if eos in free[1] else N
+    free = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=n))
+    # row 0 produces this token first at step s (s >= 2)
+    s = next(t for t in range(2, n - 1) if free[0, t] not in free[0, :t])
+    eos = int(free[0, s])
+    out = np.asarray(generate(params, np.stack([a, b]), kv="kivi2", max_new_tokens=n, eos_id=eos))
+    np.testing.assert_array_equal(out[0, : s + 1], free[0, : s + 1])
+    assert (out[0, s + 1 :] == eos).all()
+    stop = list(free[1]).index(eos) + 1 if eos in free[1] else n
     np.testing.assert_array_equal(out[1, :stop], free[1, :stop])  # row 1 unaffected by row 0
     assert (out[1, stop:] == eos).all()
 
@@ -110,19 +121,51 @@ def test_bfloat16_params_generate_with_a_bfloat16_cache(params):
     assert out.shape == (1, N)
 
 
-def test_the_decode_loop_is_one_while_loop_in_one_jit(params):
-    from kivi_jax.generate import Sampling, _prepare
+def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N):
+    """generate's compiled decode loop for these shapes (its prefill program's output as input)."""
+    from kivi_jax.generate import Sampling, _prepare, _start
 
     sampling = Sampling()
+    ids = np.stack([prompt(prompt_len, seed=b) for b in range(batch)])
     tokens, lengths, cache = _prepare(
-        params, prompt(20)[None], None, kv="kivi2", max_new_tokens=N, sampling=sampling
+        params, ids, None, kv=kv, max_new_tokens=new_tokens, sampling=sampling
     )
-    hlo = _generate.lower(
-        params, tokens, lengths, cache, jax.random.key(0), max_new_tokens=N, sampling=sampling
-    ).as_text()
+    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling)
+    state = jax.eval_shape(start, params, tokens, lengths, cache, jax.random.key(0))
+    return _decode_jit.lower(params, state, max_new_tokens=new_tokens, sampling=sampling)
+
+
+def test_the_decode_loop_is_one_program_that_updates_the_state_in_place(params):
+    lowered = _decode_program(params, "kivi2")
+    hlo = lowered.as_text()
     assert hlo.count("stablehlo.while") >= 1
-    # the donated cache is aliased to an output, so the loop updates it in place
+    # the donated state is aliased to an output, so the loop updates it in place
     assert "tf.aliasing_output" in hlo
+
+
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_a_decode_step_copies_neither_weights_nor_cache(monkeypatch, kv):
+    # Each layer's weights and KV state are buffers of their own, read and written where they
+    # lie, so the decode loop's scratch memory is below one layer's smallest weight matrix and
+    # does not grow with the cache's capacity (a layer scan over stacked weights copies every
+    # matrix per step; a layer's cache read out of a stacked cache is a copy that grows with
+    # it; test_cache checks that an append copies no ring). The attention is left out: on the
+    # CPU it is the reference, which dequantizes the cache into float32 by design (on a GPU
+    # the kernels and cuDNN read the buffers as they are).
+    from kivi_jax.models import llama
+
+    monkeypatch.setattr(llama, "decode_attention", lambda q, cache: q)
+    config = tiny_config(hidden_size=512, intermediate_size=1024, num_layers=3, max_context=4096)
+    params = kivi_jax.init_params(config, jax.random.key(0))
+    smallest_weight = min(x.nbytes for x in jax.tree.leaves(params.layers[0]) if x.ndim == 2)
+
+    def scratch(new_tokens):
+        lowered = _decode_program(params, kv, batch=2, prompt_len=100, new_tokens=new_tokens)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    small = scratch(400)
+    assert small < smallest_weight
+    assert scratch(3000) == small
 
 
 def test_token_stream_yields_what_generate_returns(params):
@@ -191,8 +234,8 @@ def test_tokens_must_be_a_2d_integer_array(params):
 
 def test_prompts_of_similar_length_share_one_compiled_loop(params):
     """Prompt widths are padded up to a multiple of 64: 33 and 50 tokens run the same program."""
-    before = _generate._cache_size()
+    before = _start_jit._cache_size(), _decode_jit._cache_size()
     a = generate(params, prompt(33)[None], kv="kivi4", max_new_tokens=5)
     b = generate(params, prompt(50)[None], kv="kivi4", max_new_tokens=5)
-    assert _generate._cache_size() == before + 1
+    assert (_start_jit._cache_size(), _decode_jit._cache_size()) == (before[0] + 1, before[1] + 1)
     assert a.shape == b.shape == (1, 5)

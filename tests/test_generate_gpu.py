@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from kivi_jax.models import llama
 from tiny_model import teacher_forced_logits, tiny_params
@@ -45,6 +46,36 @@ def test_decode_with_the_kernel_matches_the_reference(monkeypatch, kv):
     assert err < 0.08, err
     agree = float(jnp.mean(jnp.argmax(kernel, -1) == jnp.argmax(reference, -1)))
     assert agree > 0.95, agree
+
+
+def test_full_cache_decode_through_cudnn_matches_the_reference(monkeypatch):
+    # cuDNN's attention (the full cache's "auto" on a GPU) in every decode step, and cuDNN's
+    # flash attention over the prompt, against the reference decode on the same prefill.
+    params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
+    reference = _teacher_forced_logits(params, "full", "reference", monkeypatch)
+    cudnn = _teacher_forced_logits(params, "full", "auto", monkeypatch)
+    err = float(jnp.max(jnp.abs(cudnn - reference)) / jnp.max(jnp.abs(reference)))
+    assert err < 0.08, err
+    agree = float(jnp.mean(jnp.argmax(cudnn, -1) == jnp.argmax(reference, -1)))
+    assert agree > 0.95, agree
+
+
+@pytest.mark.parametrize("n_rep", [1, 4])
+def test_cudnn_decode_attention_equals_the_reference_on_ragged_lengths(n_rep):
+    rng = np.random.default_rng(n_rep)
+    b, h, d, t = 4, 2, 128, 300
+    cache = kivi_jax.init_cache(
+        None, batch=b, max_len=t, num_kv_heads=h, head_dim=d, dtype=jnp.bfloat16
+    )
+    k = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
+    lengths = jnp.array([300, 1, 0, 177])
+    cache = kivi_jax.prefill(cache, k, v, lengths=lengths)
+    q = jnp.asarray(rng.normal(size=(b, h * n_rep, d)), jnp.bfloat16)
+    ref = kivi_jax.decode_attention(q, cache, impl="reference").astype(jnp.float32)
+    out = kivi_jax.decode_attention(q, cache).astype(jnp.float32)
+    assert bool(jnp.all(out[2] == 0))  # length 0 gives zeros
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_generate_dispatches_to_the_kernel_on_gpu():

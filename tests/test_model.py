@@ -33,8 +33,7 @@ def numpy_llama(params, tokens: np.ndarray) -> np.ndarray:
         return x * cos + rotated * sin
 
     h = p.embed[tokens]
-    for i in range(c.num_layers):
-        lw = jax.tree.map(lambda x, i=i: x[i], p.layers)
+    for lw in p.layers:
         x = norm(h, lw.attn_norm)
         q = (x @ lw.wq).reshape(S, c.num_heads, D)
         k = (x @ lw.wk).reshape(S, c.num_kv_heads, D)

@@ -102,7 +102,6 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _hf_weights(params: LlamaParams) -> dict[str, np.ndarray]:
     """Params as transformers' LlamaForCausalLM state dict (float32 numpy, [out, in])."""
-    lw = params.layers
     out = {
         "model.embed_tokens.weight": np.asarray(params.embed, np.float32),
         "model.norm.weight": np.asarray(params.final_norm, np.float32),
@@ -120,10 +119,9 @@ def _hf_weights(params: LlamaParams) -> dict[str, np.ndarray]:
         "w_up": "mlp.up_proj",
         "w_down": "mlp.down_proj",
     }
-    for field, hf in names.items():
-        stacked = np.asarray(getattr(lw, field), np.float32)
-        for i in range(params.config.num_layers):
-            w = stacked[i]
+    for i, lw in enumerate(params.layers):
+        for field, hf in names.items():
+            w = np.asarray(getattr(lw, field), np.float32)
             out[f"model.layers.{i}.{hf}.weight"] = w if w.ndim == 1 else w.T
     return out
 

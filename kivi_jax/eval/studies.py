@@ -123,9 +123,7 @@ def _greedy_answers(params, tokens, lengths, *, kv_configs, max_len: int, new_to
             dtype=params.dtype,
             num_layers=c.num_layers,
         )
-        cache = jax.lax.fori_loop(
-            0, c.num_layers, lambda i, s: cache_prefill(s, k[i], v[i], lengths, layer=i), cache
-        )
+        cache = tuple(cache_prefill(s, k[i], v[i], lengths) for i, s in enumerate(cache))
         generated = jnp.zeros((B, new_tokens), jnp.int32).at[:, 0].set(first)
 
         def step(t, carry):

@@ -21,7 +21,7 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 
 MARKER = "kivi_model.json"
-_FORMAT = "kivi-jax-orbax-v1"
+_FORMAT = "kivi-jax-orbax-v2"  # v2: one entry of weights per layer (v1 stacked them)
 
 
 def is_saved_model(path: str) -> bool:
@@ -32,9 +32,10 @@ def _to_tree(params: LlamaParams) -> dict:
     tree = {
         "embed": params.embed,
         "final_norm": params.final_norm,
-        "layers": {
-            f.name: getattr(params.layers, f.name) for f in dataclasses.fields(LayerWeights)
-        },
+        "layers": [
+            {f.name: getattr(lw, f.name) for f in dataclasses.fields(LayerWeights)}
+            for lw in params.layers
+        ],
     }
     if params.lm_head is not None:
         tree["lm_head"] = params.lm_head
@@ -75,7 +76,10 @@ def restore_model(directory: str, *, dtype=None):
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{directory}: unreadable {MARKER} ({e})") from e
     if meta.get("format") != _FORMAT:
-        raise ModelLoadError(f"{directory}: unknown saved-model format {meta.get('format')!r}")
+        raise ModelLoadError(
+            f"{directory}: saved-model format {meta.get('format')!r}, this version reads "
+            f"{_FORMAT!r} (save the model again with this version's save_model)"
+        )
     config = LlamaConfig(**meta["config"])
     saved_dtype = jnp.dtype(meta["dtype"])
     from kivi_jax.models.llama import init_params
@@ -89,7 +93,7 @@ def restore_model(directory: str, *, dtype=None):
         raise ModelLoadError(f"{directory}: cannot restore the params checkpoint ({e})") from e
     params = LlamaParams(
         embed=tree["embed"],
-        layers=LayerWeights(**tree["layers"]),
+        layers=tuple(LayerWeights(**lw) for lw in tree["layers"]),
         final_norm=tree["final_norm"],
         lm_head=tree.get("lm_head"),
         config=config,

@@ -140,24 +140,24 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
         "w_up": "ffn_up.weight",
         "w_down": "ffn_down.weight",
     }
-    stacked = {}
-    for step, (field, suffix) in enumerate(names.items(), 1):
-        per_layer = []
-        for i in range(config.num_layers):
+    layers = []
+    for i in range(config.num_layers):
+        weights = {}
+        for field, suffix in names.items():
             w = tensor(f"blk.{i}.{suffix}")
             if field == "wq":
                 w = _unpermute(w, config.num_heads)
             elif field == "wk":
                 w = _unpermute(w, config.num_kv_heads)
-            per_layer.append(w if w.ndim == 1 else w.T)  # linear layers to [in, out]
-        stacked[field] = jnp.asarray(np.stack(per_layer), dtype)
+            weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
+        layers.append(LayerWeights(**weights))
         if progress:
-            progress(f"{step}/{len(names)} stacked weights ({field})")
+            progress(f"{i + 1}/{config.num_layers} layers")
     if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
         raise ModelLoadError(f"{path}: attention biases are not implemented")
     params = LlamaParams(
         embed=jnp.asarray(tensor("token_embd.weight"), dtype),
-        layers=LayerWeights(**stacked),
+        layers=tuple(layers),
         final_norm=jnp.asarray(tensor("output_norm.weight"), dtype),
         lm_head=None if tied else jnp.asarray(tensor("output.weight").T, dtype),
         config=config,

@@ -146,13 +146,15 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         "w_up": "mlp.up_proj.weight",
         "w_down": "mlp.down_proj.weight",
     }
-    stacked = {}
-    for step, (field, suffix) in enumerate(names.items(), 1):
-        per_layer = [get(f"layers.{i}.{suffix}") for i in range(config.num_layers)]
-        per_layer = [w if w.ndim == 1 else w.T for w in per_layer]  # linear layers to [in, out]
-        stacked[field] = jnp.stack([jnp.asarray(w, dtype) for w in per_layer])
+    layers = []
+    for i in range(config.num_layers):
+        weights = {}
+        for field, suffix in names.items():
+            w = get(f"layers.{i}.{suffix}")
+            weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
+        layers.append(LayerWeights(**weights))
         if progress:
-            progress(f"{step}/{len(names)} stacked weights ({field})")
+            progress(f"{i + 1}/{config.num_layers} layers")
     lm_head = None
     if not config.tie_embeddings:
         if "lm_head.weight" not in tensors:
@@ -160,7 +162,7 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         lm_head = jnp.asarray(tensors["lm_head.weight"], dtype).T
     params = LlamaParams(
         embed=jnp.asarray(get("embed_tokens.weight"), dtype),
-        layers=LayerWeights(**stacked),
+        layers=tuple(layers),
         final_norm=jnp.asarray(get("norm.weight"), dtype),
         lm_head=lm_head,
         config=config,

@@ -1,0 +1,512 @@
+"""End-to-end decode on one GPU: the project's own `generate` on random bf16 weights of the
+Llama-2-7B and Llama-3-8B shapes, with the full-precision, KIVI-2 and KIVI-4 caches.
+
+Each row runs in a process of its own (so that its peak memory is its own). Per row: the decode
+step in GPU time (a CUPTI trace of generate's decode program, prefill apart, divided by its
+steps), decode tokens/s, the byte floor of a step (the weights it reads and every cache byte its
+attention must read at the mean context of the decode, over the read bandwidth measured in the
+same device call), the percent of the floor, peak device memory, compile time, the number of
+programs compiled (and recompiled by a second call of the same shapes: none), and the kernels of
+one step summed by name (where the time goes).
+
+    python benchmarks/generate_gpu.py group --out DIR --call NAME [--rows ROW ...]
+    python benchmarks/generate_gpu.py merge DIR [DIR ...] --out benchmarks/results
+
+`group` measures the read bandwidth, then runs each row (`model:kv:batch:prompt+new`, e.g.
+`Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as `generate_gpu.py row ...` in a
+subprocess and writes DIR/row_*.json; `merge` writes generate_gpu.json, generate_gpu.md and
+generate_gpu.png (ratios only between rows of the same call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kivi_jax.models.config import LlamaConfig
+from kivi_jax.models.llama import init_params
+
+import kivi_jax
+from kivi_jax.generate import (
+    KV_PRESETS,
+    PROMPT_BUCKET,
+    Sampling,
+    _decode_jit,
+    _prepare,
+    _start_jit,
+    generate,
+    resolve_kv,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import gpu_kernels, kernel_totals, measure_read_bandwidth, split_runs
+
+MODELS = {
+    "Llama-2-7B": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+        num_heads=32, num_kv_heads=32, head_dim=128, tie_embeddings=False,
+    ),
+    "Llama-3-8B": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_embeddings=False,
+    ),
+    # A CPU check of this script (--rows smoke:kivi2:2:40+8): host time, no GPU trace.
+    "smoke": dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=64, tie_embeddings=False,
+    ),
+}  # fmt: skip
+PAUSE_S = 0.3  # host pause between the traced programs (the trace splits runs at half of it)
+DEFAULT_ROWS = [
+    f"{model}:{kv}:{batch}:{setting}"
+    for model in ("Llama-2-7B", "Llama-3-8B")
+    for setting, batch in [("2048+128", 16), ("4096+256", 16), ("160+338", 16), ("160+338", 96)]
+    for kv in ("full", "kivi2", "kivi4")
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    kv: str
+    batch: int
+    prompt: int
+    new_tokens: int
+
+    @classmethod
+    def parse(cls, spec: str) -> Row:
+        model, kv, batch, setting = spec.split(":")
+        prompt, new = setting.split("+")
+        if model not in MODELS or kv not in KV_PRESETS:
+            raise ValueError(f"bad row {spec!r}: model in {list(MODELS)}, kv in {KV_PRESETS}")
+        return cls(model, kv, int(batch), int(prompt), int(new))
+
+    @property
+    def spec(self) -> str:
+        return f"{self.model}:{self.kv}:{self.batch}:{self.prompt}+{self.new_tokens}"
+
+    @property
+    def config(self) -> LlamaConfig:
+        width = -(-self.prompt // PROMPT_BUCKET) * PROMPT_BUCKET
+        return LlamaConfig(**MODELS[self.model], max_context=width + self.new_tokens)
+
+
+def weight_bytes_read(params) -> int:
+    """Bytes of weights a decode step reads: every layer, the final norm, the output projection
+    (the embeddings only for the rows' tokens, but whole where they are the output too)."""
+    size = lambda xs: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(xs))
+    out = params.embed if params.lm_head is None else params.lm_head
+    return size(params.layers) + size(params.final_norm) + size(out)
+
+
+def cache_bytes_read(row: Row, length: int) -> int:
+    """Bytes the attention of one step must read over all layers with every row at `length`
+    tokens: K and V in bf16 for the full cache; for KIVI the codes, the 16-bit scales and zero
+    points of the quantized tokens and the full-precision residual (KIVI.md's state)."""
+    c = row.config
+    per_head = 2 * length * c.head_dim * 2
+    cfg = resolve_kv(row.kv)
+    if cfg is not None:
+        g, r, d = cfg.group_size, cfg.residual_length, c.head_dim
+        qk, pv = length - length % r, max(length - r, 0)
+        per_head = (
+            (qk * cfg.k_bits + pv * cfg.v_bits) * d // 8
+            + (qk + pv) * d // g * 2 * 2
+            + ((length - qk) + (length - pv)) * d * 2
+        )
+    return c.num_layers * row.batch * c.num_kv_heads * per_head
+
+
+class CompileCounter:
+    """Counts XLA backend compilations and their seconds (jax.monitoring events)."""
+
+    def __init__(self):
+        self.programs, self.seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, name, seconds, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            self.programs += 1
+            self.seconds += seconds
+
+
+def random_params(config: LlamaConfig, key) -> object:
+    """Random bf16 weights of the config's shapes (matrices normal / sqrt(fan_in), norms 1),
+    made on the device one array at a time: one small program per distinct shape (a jit of
+    the whole init_params compiles for minutes at 7B)."""
+    abstract = jax.eval_shape(lambda: init_params(config, key, jnp.bfloat16))
+    leaves, treedef = jax.tree.flatten(abstract)
+    normal = jax.jit(
+        lambda k, scale, shape: (jax.random.normal(k, shape, jnp.float32) * scale).astype(
+            jnp.bfloat16
+        ),
+        static_argnums=2,
+    )
+    arrays = [
+        normal(jax.random.fold_in(key, i), 1.0 / np.sqrt(x.shape[0]), x.shape)
+        if x.ndim == 2
+        else jnp.ones(x.shape, jnp.bfloat16)
+        for i, x in enumerate(leaves)
+    ]
+    return jax.block_until_ready(jax.tree.unflatten(treedef, arrays))
+
+
+def _log(what: str, t0: float) -> None:
+    print(f"  {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
+    c = row.config
+    counter = CompileCounter()
+    t_row = t0 = time.perf_counter()
+    params = random_params(c, jax.random.key(0))
+    init_s = time.perf_counter() - t0
+    _log("weights", t_row)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.vocab_size, (row.batch, row.prompt), dtype=np.int32)
+    sampling = Sampling()
+
+    programs0, compile0 = counter.programs, counter.seconds
+    t0 = time.perf_counter()
+    jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
+    first_call_s = time.perf_counter() - t0
+    programs, compile_s = counter.programs - programs0, counter.seconds - compile0
+    _log(f"first call ({programs} programs, {compile_s:.0f} s compiling)", t_row)
+
+    def one_run():
+        """generate's two programs, a pause between them (the trace tells them apart)."""
+        toks, lengths, cache = _prepare(
+            params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling
+        )
+        jax.block_until_ready(cache)
+        kw = dict(max_new_tokens=row.new_tokens, sampling=sampling)
+        state = _start_jit(params, toks, lengths, cache, jax.random.key(0), **kw)
+        jax.block_until_ready(state)
+        time.sleep(PAUSE_S)
+        jax.block_until_ready(_decode_jit(params, state, **kw))
+        time.sleep(PAUSE_S)
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        host = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one_run()
+            host.append(time.perf_counter() - t0)
+        jax.profiler.stop_trace()
+        runs = split_runs(gpu_kernels(d), gap_ms=PAUSE_S * 1e3 / 2)
+    _log("traced runs", t_row)
+    steps = row.new_tokens - 1
+    if runs:
+        if len(runs) != 2 * repeats:
+            raise RuntimeError(f"the trace holds {len(runs)} runs, not {2 * repeats}")
+        span = lambda r: (r[-1][2] - r[0][1]) * 1e-9
+        decode_s = statistics.median(span(r) for r in runs[1::2])
+        prefill_s = statistics.median(span(r) for r in runs[0::2])
+        decode_run = sorted(runs[1::2], key=span)[len(runs[1::2]) // 2]
+        totals = kernel_totals(decode_run)
+        idle_ms = (span(decode_run) - sum(t for _, t in totals.values())) / steps * 1e3
+        timing = "gpu"
+    else:  # no GPU trace (a CPU check of the script): host time of both programs
+        decode_s = statistics.median(host) - 2 * PAUSE_S
+        prefill_s, totals, timing = float("nan"), {}, "host"
+        idle_ms = float("nan")
+    per_step = {n: (k / steps, t / steps * 1e3) for n, (k, t) in totals.items()}
+
+    programs1 = counter.programs
+    jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
+    recompiled = counter.programs - programs1
+
+    step_ms = decode_s / steps * 1e3
+    lengths = range(row.prompt + 1, row.prompt + row.new_tokens)  # the decode steps' contexts
+    cache_read = statistics.mean(cache_bytes_read(row, n) for n in lengths)
+    weights_read = weight_bytes_read(params)
+    floor_ms = (weights_read + cache_read) / (read_gbps * 1e9) * 1e3
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "model": row.model,
+        "kv": row.kv,
+        "batch": row.batch,
+        "prompt": row.prompt,
+        "new_tokens": row.new_tokens,
+        "call": call,
+        "timing": timing,
+        "step_ms": step_ms,
+        "floor_ms": floor_ms,
+        "pct_floor": 100 * floor_ms / step_ms,
+        "read_GBps": read_gbps,
+        "tokens_per_s": row.batch / (step_ms * 1e-3),
+        "idle_ms_per_step": idle_ms,
+        "prefill_ms": prefill_s * 1e3,
+        "weights_read_gb": weights_read / 1e9,
+        "cache_read_gb": cache_read / 1e9,
+        "kv_bytes_gb": kivi_jax.memory_report(cache_of(row, params)).total_bytes / 1e9,
+        "peak_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
+        "compile_s": compile_s,
+        "programs": programs,
+        "recompiled": recompiled,
+        "first_call_s": first_call_s,
+        "init_s": init_s,
+        "kernels_per_step": {n: {"launches": k, "ms": t} for n, (k, t) in per_step.items()},
+    }
+
+
+def cache_of(row: Row, params):
+    """The shape of generate's KV state for this row (abstract: nothing is allocated)."""
+    c = row.config
+    width = -(-row.prompt // PROMPT_BUCKET) * PROMPT_BUCKET
+    return jax.eval_shape(
+        lambda: kivi_jax.init_cache(
+            resolve_kv(row.kv), batch=row.batch, max_len=width + row.new_tokens,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=params.dtype,
+            num_layers=c.num_layers,
+        )
+    )  # fmt: skip
+
+
+def describe_device() -> dict:
+    """The device, the versions and the read bandwidths (GB/s) of this process's GPU."""
+    import flax
+    import jaxlib
+
+    on_gpu = jax.default_backend() == "gpu"
+    bandwidth = measure_read_bandwidth(8.0 if on_gpu else 0.25)  # >> L2 on a GPU
+    return {
+        "device": jax.devices()[0].device_kind,
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "flax": flax.__version__,
+        },
+        "read_bandwidths_GBps": {k: v / 1e9 for k, v in bandwidth.items()},
+    }
+
+
+def group(args) -> None:
+    """Runs in a process that never touches the GPU itself (so that every row has the whole
+    card): the device description and each row come from subprocesses."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Autotuning results shared between the rows' processes (the same matmuls recur).
+    tuned = f"--xla_gpu_per_fusion_autotune_cache_dir={args.out / 'autotune'}"
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {tuned}".strip()
+    describe = [sys.executable, __file__, "describe"]
+    probe = subprocess.run(describe, env=env, capture_output=True, text=True)
+    if probe.returncode and "Unknown flag" in probe.stderr:  # an XLA without the cache
+        env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
+        probe = subprocess.run(describe, env=env, capture_output=True, text=True)
+    if probe.returncode:
+        sys.exit(f"device description failed:\n{probe.stderr[-2000:]}")
+    described = json.loads(probe.stdout.strip().splitlines()[-1])
+    read_gbps = max(described["read_bandwidths_GBps"].values())
+    call = {"call": args.call, **described}
+    (args.out / f"call_{args.call}.json").write_text(json.dumps(call, indent=1))
+    print(f"{described['device']}: read bandwidth {read_gbps:.0f} GB/s", flush=True)
+    t_start = time.perf_counter()
+    for spec in args.rows or DEFAULT_ROWS:
+        if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+            print(f"deadline: {spec} not run", flush=True)
+            continue
+        row = Row.parse(spec)
+        path = args.out / f"row_{spec.replace(':', '_').replace('+', '_')}.json"
+        cmd = [sys.executable, __file__, "row", spec, "--read-gbps", str(read_gbps)]
+        cmd += ["--call", args.call, "--repeats", str(args.repeats), "--json", str(path)]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(
+            done.stderr[-600:]
+            if done.returncode
+            else "".join(ln + "\n" for ln in done.stderr.splitlines() if ln.startswith("  ")),
+            end="",
+        )
+        if done.returncode:
+            err = done.stderr.strip().splitlines()[-1:] or ["?"]
+            failed = {**dataclasses.asdict(row), "call": args.call, "error": err[0][:500]}
+            path.write_text(json.dumps(failed))
+            print(f"{spec}: FAILED ({err[0][:300]})", flush=True)
+            continue
+        r = json.loads(path.read_text())
+        print(
+            f"{spec}: step {r['step_ms']:.2f} ms (floor {r['floor_ms']:.2f}, "
+            f"{r['pct_floor']:.0f}%), {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB, "
+            f"compile {r['compile_s']:.0f} s / {r['programs']} programs, "
+            f"recompiled {r['recompiled']} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+        top = list(r["kernels_per_step"].items())[:6]
+        print("   " + "; ".join(f"{n[:40]} {v['ms']:.3f} ms x{v['launches']:.0f}" for n, v in top))
+
+
+def merge(args) -> None:
+    calls, rows = {}, []
+    for d in args.dirs:
+        for p in sorted(d.glob("call_*.json")):
+            c = json.loads(p.read_text())
+            calls[c["call"]] = c
+        rows += [json.loads(p.read_text()) for p in sorted(d.glob("row_*.json"))]
+    if not rows:
+        sys.exit("no rows")
+    first = next(iter(calls.values()))
+    result = {
+        "device": first["device"],
+        "versions": first["versions"],
+        "calls": calls,
+        "rows": sorted(
+            rows, key=lambda r: (r["model"], -r["prompt"], r["batch"], r["kv"], r["call"])
+        ),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "generate_gpu.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, args.out / "generate_gpu.md")
+    plot(result, args.out / "generate_gpu.png")
+    print((args.out / "generate_gpu.md").read_text())
+
+
+def _full_of(result, r):
+    """The full-cache row measured with r in the same call, or None."""
+    for f in result["rows"]:
+        same = all(f[k] == r[k] for k in ("model", "batch", "prompt", "new_tokens", "call"))
+        if same and f["kv"] == "full" and "step_ms" in f:
+            return f
+    return None
+
+
+def step_split(kernels: dict) -> dict[str, float]:
+    """ms per step of a row's kernels by kind: matmuls (XLA's Triton gemm fusions, cuBLAS),
+    attention (the KIVI kernels, cuDNN) and other."""
+    kind = lambda n: (
+        "matmuls" if any(k in n for k in ("gemm", "nvjet", "cublas", "splitK"))
+        else "attention" if n.startswith("kivi_") or "cudnn" in n or "sdpa" in n
+        else "other"
+    )  # fmt: skip
+    out = dict(matmuls=0.0, attention=0.0, other=0.0)
+    for name, v in kernels.items():
+        out[kind(name)] += v["ms"]
+    return out
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = [
+        "# End-to-end decode (`benchmarks/generate_gpu.py`)",
+        "",
+        f"{result['device']}, jax {result['versions']['jax']}; random bf16 weights; greedy; "
+        "decode step = GPU time of generate's decode program / its steps (prefill apart). "
+        "Floor: weights read + cache bytes the attention must read at the mean decode context, "
+        "over the read bandwidth measured in the same call. `vs full`: decode tokens/s "
+        "against the full cache's row of the same call.",
+        "",
+        "| model | kv | batch | prompt + new | step ms | floor ms | % of floor | tokens/s "
+        "| vs full | peak GB | compile s | programs | recompiled | call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        head = f"| {r['model']} | {r['kv']} | {r['batch']} | {r['prompt']} + {r['new_tokens']} "
+        if "error" in r:
+            lines.append(head + f"| failed: {r['error'][:80]} |" + " |" * 9)
+            continue
+        full = _full_of(result, r)
+        vs = f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full and r is not full else ""
+        lines.append(
+            head + f"| {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['pct_floor']:.0f}% "
+            f"| {r['tokens_per_s']:.0f} | {vs} | {r['peak_gb']:.1f} | {r['compile_s']:.0f} "
+            f"| {r['programs']} | {r['recompiled']} | {r['call']} |"
+        )
+    lines += [
+        "",
+        "Where a step's time goes (GPU kernels of one decode step, ms, summed: the weights' "
+        "matmuls, the attention kernels, everything else: the cache appends, norms, RoPE, "
+        "sampling; `idle` = span minus busy, negative where kernels overlap):",
+        "",
+        "| model | kv | batch | prompt + new | matmuls | attention | other | idle | kernels "
+        "| call |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "kernels_per_step" not in r:
+            continue
+        split = step_split(r["kernels_per_step"])
+        launches = sum(v["launches"] for v in r["kernels_per_step"].values())
+        lines.append(
+            f"| {r['model']} | {r['kv']} | {r['batch']} | {r['prompt']} + {r['new_tokens']} "
+            f"| {split['matmuls']:.2f} | {split['attention']:.2f} | {split['other']:.2f} "
+            f"| {r['idle_ms_per_step']:.2f} | {launches:.0f} | {r['call']} |"
+        )
+    lines += ["", "The largest kernels of each row (ms per step, launches):", ""]
+    for r in result["rows"]:
+        if "kernels_per_step" not in r:
+            continue
+        top = list(r["kernels_per_step"].items())[:8]
+        parts = ", ".join(f"{n[:48]} {v['ms']:.3f} (x{v['launches']:.0f})" for n, v in top)
+        name = f"{r['model']} {r['kv']} b{r['batch']} {r['prompt']}+{r['new_tokens']}"
+        lines.append(f"- {name}: {parts}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "step_ms" in r]
+    labels = [
+        f"{r['model']}\n{r['kv']} b{r['batch']}\n{r['prompt']}+{r['new_tokens']}\n{r['call']}"
+        for r in rows
+    ]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 5))
+    ax.bar(x - 0.2, [r["step_ms"] for r in rows], 0.4, label="decode step (GPU time)")
+    ax.bar(x + 0.2, [r["floor_ms"] for r in rows], 0.4, label="byte floor")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"generate on {result['device']}: decode step against its byte floor")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("group", help="measure bandwidth, then each row in its own process")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--call", required=True, help="name of this device call (ratios within it)")
+    g.add_argument("--rows", nargs="*", help="model:kv:batch:prompt+new (default: all)")
+    g.add_argument("--repeats", type=int, default=2)
+    g.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
+    r = sub.add_parser("row", help="one row, in this process")
+    r.add_argument("spec")
+    r.add_argument("--read-gbps", type=float, required=True)
+    r.add_argument("--call", required=True)
+    r.add_argument("--repeats", type=int, default=2)
+    r.add_argument("--json", type=Path, required=True)
+    sub.add_parser("describe", help="print the device, versions and read bandwidths as JSON")
+    m = sub.add_parser("merge", help="row files -> generate_gpu.json, .md, .png")
+    m.add_argument("dirs", type=Path, nargs="+")
+    m.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    if args.cmd == "group":
+        group(args)
+    elif args.cmd == "row":
+        out = run_row(Row.parse(args.spec), read_gbps=args.read_gbps, call=args.call,
+                      repeats=args.repeats)  # fmt: skip
+        args.json.write_text(json.dumps(out, indent=1))
+    elif args.cmd == "describe":
+        print(json.dumps(describe_device()))
+    else:
+        merge(args)
+
+
+if __name__ == "__main__":
+    main()
