@@ -331,7 +331,7 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 
 
 # The default tiles of the fourth round (2026-11-30, before one-warp value programs and
-# prefetch 1; its results are in benchmarks/results/idp4a_values/).
+# prefetch 1; docs/history.md, R4).
 PREVIOUS_DEFAULT = GpuTuning(
     score_slices=4,
     value_quads=32,

@@ -6,7 +6,7 @@ float32 reference over the same dequantized state, with `GpuTuning(value_parts=2
 default) and `value_parts=1`, beside the error of a plain implementation that rounds its
 operands to the query's dtype (the yardstick of the kernel tests).
 
-    python benchmarks/value_parts_error.py --out benchmarks/results/value_occupancy
+    python benchmarks/value_parts_error.py --out DIR
 
 writes value_parts_error.{json,md}.
 """

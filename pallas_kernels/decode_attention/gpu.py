@@ -5,12 +5,12 @@ One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_
     out[b, h] = softmax_t(q[b, h] . K_t / sqrt(D)) @ V   over t in [0, lengths[b])
 
 Why this shape. At 2 bits a decode step must touch ~2 G key and value elements in ~0.2 ms
-(Llama-2-7B heads, 8 x 32k), so every element may cost only about two instructions. The
-earlier tensor-core kernel spent ~9 (unpacking, then moving every dequantized tile through
-shared memory into the operand layout Triton picks). Here nothing is dequantized: both sides
-are dot products with *one fixed weight per element group*, done straight on the packed bits,
-each thread on its own registers. Codes are read as int32 words (4 bytes; the uint8 cache
-arrays are reinterpreted by an XLA bitcast, no copy).
+(Llama-2-7B heads, 8 x 32k), so every element may cost only about two instructions; a
+tensor-core kernel that dequantizes tiles and moves them into the operand layout spends ~9
+(docs/history.md, TC). Here nothing is dequantized: both sides are dot products with *one
+fixed weight per element group*, done straight on the packed bits, each thread on its own
+registers. Codes are read as int32 words (4 bytes; the uint8 cache arrays are reinterpreted
+by an XLA bitcast, no copy).
 
 * Keys (per-channel quantization, ``k = s_d c + z_d`` per group of G tokens):
   ``q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d``. The score kernel forms (`_fold_query`),
@@ -41,11 +41,9 @@ full-precision), then reads its split's logits once, exponentiates against the l
 row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
 softmaxes at the end. With MHA the score kernel's loop is left to Triton's software pipeliner
 (`GpuTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
-tiles ahead, without holding registers.
-With ``GpuTuning(score_folds_query=False)`` a third kernel, the query kernel, folds the
-query into every key group first and the score kernel reads its int16 words (the default
-until the sixth round: 2 bytes per group channel written and read back, for less
-arithmetic in the score loop).
+tiles ahead, without holding registers. (``GpuTuning(score_folds_query=False)`` instead runs a
+third kernel, the query kernel, that folds the query into every key group first for the score
+kernel to read as int16 words: slower at every shape measured, docs/history.md.)
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
@@ -60,7 +58,9 @@ Measured on an H200 (docs/performance.md, GPU time): 3.93x faster than cuDNN bf1
 at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.68x; 245.6 and 360.7 µs a step against 965.6).
 With GQA every query head has its own score and value programs, which read the KV head's
 words in turn (through L2): at Llama-3-8B heads (4 query heads per KV head), 8 x 32k, the
-kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed.
+kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed. The kernels read one layer's
+arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode step hands
+them over without a copy.
 """
 
 from __future__ import annotations
@@ -88,59 +88,59 @@ _NONE_MEANS_DEFAULT = ("score_slices", "value_quads", "num_splits", "score_stage
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuTuning:
-    """Tile sizes (no effect on results beyond rounding: float32 summation order, and which
-    value weights share an int8 scale).
+    """Tile sizes of the GPU kernels, and one precision trade-off (`value_parts`). Apart from
+    `value_parts`, no effect on results beyond rounding (float32 summation order, and which
+    value weights share an int8 scale). Every field must be a positive int unless said;
+    warps and slices powers of two; a bad value raises a ValueError naming the field, an
+    unknown one a TypeError. `docs/history.md` holds the sweeps behind every default.
 
     score_rows: key rows per iteration of the score kernel (a row: 4 tokens at 2 bits, 2 at 4
       bits, of every channel; rounded to whole key groups of G tokens).
     score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
-      the thread; with a row in 8 pieces of 4 words every thread owns whole rows).
+      the thread; with a row in 8 pieces of 4 words every thread owns whole rows). None: by
+      the key bit width (`key_slices`: 2 at 2 bits, 1 at 4 bits).
     score_program_groups: key groups per score-kernel program.
-    query_program_groups, query_warps: key groups and warps per query-kernel program (with
-      score_folds_query False; otherwise there is no query kernel).
+    score_warps, value_warps: warps per score / value program (one: the value kernel's
+      layout conversions are then shuffles; 2 and 4 ran slower).
+    query_program_groups, query_warps: key groups and warps per query-kernel program (only
+      with score_folds_query False).
     value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
-      a thread holds one quad's words of one channel group).
+      a thread holds one quad's words of one channel group). None: by the value bit width
+      (`quads`: 16 at 2 bits, 8 at 4 bits).
     value_chain: value sub-tiles per iteration whose integer dot products a thread chains
       into the same accumulators before they are scaled into float32 (the weights' int8 scale
-      is the largest weight among those 4 * value_chain tokens).
+      is the largest weight among those 4 * value_chain tokens); at most 64 (the chained int32
+      sums would overflow).
     prefetch: tiles whose loads are issued ahead of the one being computed, held in registers
       (the value kernel, and the score kernel at 1 stage).
     score_stages: software-pipeline stages of the score kernel's loop (> 1): Triton issues the
       loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
-      (cp.async: no registers held while they are in flight; `triton_stages`); 1: the
-      register prefetch.
-    value_interleave: a row's value splits take its tiles in turn (tile k of split s is the
-      row's tile k * splits + s), so that they walk neighbouring tiles together, instead of
-      one contiguous range each (H200, 8 x 32k: value kernel 0.8% faster at 4 bits, 1.1% at
-      2 bits; benchmarks/results/ninth_round/).
-    score_folds_query: the score kernel folds the query into each key group itself (reading
-      the key scales and zero points) instead of reading the query kernel's int16 words
-      (which saves that kernel and its 2 bytes per group channel written and read back).
-    value_parts: int8 parts that carry each value weight p_t s_t: 2 (error at most 1/64516 of
-      the largest weight of its chain, finer than bfloat16) or 1 (at most 1/254 of it: about
-      bfloat16's step for the largest weight, coarser for the rest; half the value kernel's
-      integer dot products). The folded query is always an int16 per channel (with one
-      int8 part, in a local build, keys' outlier channels left the others too coarse: 26
-      times the error of bfloat16 rounding).
+      (cp.async: no registers held while they are in flight; `triton_stages`, a private jax
+      hook: where jax lacks it the kernels warn once and use the register prefetch); 1: the
+      register prefetch. None: by the query heads per KV head (`key_stages`: 3 for MHA, 1 for
+      GQA).
+    value_interleave (bool): a row's value splits take its tiles in turn (tile k of split s
+      is the row's tile k * splits + s), so that they walk neighbouring tiles together;
+      False: one contiguous range each.
+    score_folds_query (bool): the score kernel folds the query into each key group itself
+      (reading the key scales and zero points); False: a query kernel does it first and the
+      score kernel reads its int16 words (2 bytes per group channel written and read back).
+    value_parts: int8 parts that carry each value weight p_t s_t, 1 or 2. 2: error at most
+      1/64516 of the largest weight of its chain, finer than bfloat16. 1 trades precision for
+      speed: at most 1/254 of it (about bfloat16's step for the largest weight, coarser for
+      the rest; ~4x the error of a plain bf16 attention, 25-30x a plain fp16 one's,
+      `benchmarks/value_parts_error.py`), half the value kernel's integer dot products (value
+      kernel 162.6 -> 138.2 µs at 8 x 32k, 2 bits, docs/history.md R5). The folded query is
+      always an int16 per channel (with one int8 part keys' outlier channels left the others
+      too coarse).
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
+    target_programs: the programs `num_splits` None aims at.
     tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
       (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
-      token splits in turn). 16: at 8 x 32k, 32 ran the value kernel 4% slower at 2 bits
-      and 1% at 4 bits (benchmarks/results/tail_share/).
-
-    score_slices and value_quads left None take the default of the key and value bit width
-    (`key_slices`, `quads`): a key row in 2 slices at 2 bits and in 1 at 4 bits; 16 quads at 2
-    bits, 8 at 4 bits; score_stages left None that of the query heads per KV head
-    (`key_stages`): 3 for MHA, 1 (the register prefetch) for GQA. The defaults come from H200
-    sweeps at Llama-2-7B heads (docs/performance.md; benchmarks/results/fold_in_score/,
-    tail_kernel/, tail_share/): the score kernel folds the query (at 2 bits the step ran 7%
-    faster than with the query kernel, at 4 bits with 2 slices per key row 6% faster), one-warp
-    programs for keys and values (the value kernel's layout conversions are then shuffles),
-    register prefetch one tile ahead (the value kernel, GQA's score kernel; in the fifth round
-    two ran the score and value kernels 13-17% slower, with 221 and 255 registers instead of 128
-    and 166), value chains of 2 (with 4 the value kernel ran 1.6x slower, with 1 it ran 14-30%
-    slower).
+      token splits in turn).
+    num_stages: Triton's num_stages for both kernels (their loops are pipelined only where
+      `score_stages` marks them).
     """
 
     score_rows: int = 16
@@ -189,7 +189,7 @@ class GpuTuning:
         """score_slices, or if None the default for k_bits-bit keys: 2 at 2 bits (1 ran the
         KIVI-2 step 2.7% slower) and 1 at 4 bits (the KIVI-4 step 2-3.5% faster than with 2
         in three sweeps; half the shared-memory stores per loop in a local build). H200
-        sweeps, benchmarks/results/fold_in_score/ and tail_kernel/."""
+        sweeps, docs/history.md (R6, R7)."""
         return self.score_slices or (2 if k_bits == 2 else 1)
 
     def key_stages(self, n_rep: int) -> int:
@@ -198,7 +198,7 @@ class GpuTuning:
         register prefetch at 4 bits, 11% at 2 bits; 2 stages as fast at 4 bits, no faster
         at 2) and 1 with GQA, whose query heads read their KV head's key words in turn,
         through L2 (Llama-3-8B heads at 8 x 32k: the score kernel 4% faster with the register
-        prefetch at 4 bits, 6% at 2). benchmarks/results/twelfth_round/."""
+        prefetch at 4 bits, 6% at 2). docs/history.md (R12)."""
         return self.score_stages or (3 if n_rep == 1 else 1)
 
     def quads(self, v_bits: int) -> int:
@@ -280,7 +280,7 @@ def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live, ring=None):
     Otherwise the computation sits in a branch on `live(k)` (true for every k < n_tiles, in a
     form the compiler cannot fold): without a branch between them ptxas may move the loads below the
     arithmetic, to the end of the loop body, where nothing overlaps their latency (it did in
-    the 2-bit MHA value kernel: benchmarks/results/cuda_core_sweeps/run5_sass_before.md). The
+    the 2-bit MHA value kernel: docs/history.md, R2). The
     body is unrolled `depth` times over a ring of tiles; the last round may run up to
     depth - 1 tiles past n_tiles, and the loads of the last `depth` steps go past it too:
     `load` must clamp such tiles into bounds, and `live` must be false for them or their
@@ -895,7 +895,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         S = max(1, min(tuning.num_splits, n_steps))
     else:
         # A power of two: at 8 x 32k (256 rows) 5 splits ran the value kernel 14% slower than
-        # 4 or 8 (the step 6%; benchmarks/results/value_occupancy/sweep_splits.md).
+        # 4 or 8 (the step 6%; docs/history.md, R5).
         cap = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
         S = 1 << (cap.bit_length() - 1)
     steps_per_split = pl.cdiv(n_steps, S)
