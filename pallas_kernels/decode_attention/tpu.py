@@ -1,0 +1,462 @@
+"""KIVI decode attention on a TPU: one Pallas (Mosaic) kernel over the packed state.
+
+One decode step: for each sequence ``b`` and query head ``h`` (KV head ``h // n_rep``)
+
+    out[b, h] = softmax_t(q[b, h] . K_t / sqrt(D)) @ V   over t in [0, lengths[b])
+
+Grid ``(B, H, blocks)``: a program holds one KV head's ``n_rep`` query heads (GQA: each KV block
+is read from HBM once for the whole query group) and walks the capacity in blocks of
+``TpuTuning.block_tokens`` tokens, which Pallas copies into VMEM (double-buffered) and the
+kernel computes in chunks of ``chunk_tokens``. The lengths come in by scalar prefetch; the block
+index maps clamp each block index to the last block a sequence needs, so the blocks past its
+length are never copied again (Pallas skips a copy whose block index has not changed).
+
+Token regions of a sequence of length ``l`` (``kivi_jax.cache``): keys of ``[0, Qk)``,
+``Qk = l - l % R``, and values of ``[0, Pv)``, ``Pv = max(l - R, 0)``, are quantized; the rest
+are in the residual rings (token ``t`` at slot ``t % R``).
+
+* Main loop, tokens ``[0, Pv)`` (quantized keys and values), per chunk of ``n`` tokens:
+
+  - keys: the chunk's ``uint8 [n / kpb, D]`` codes are read as int32 words
+    (``pltpu.bitcast``: word ``w`` holds packed rows ``4w .. 4w + 3``, row ``4w + r`` in byte
+    ``r``), so byte ``r``, field ``j`` of word row ``w`` is the code of token
+    ``4 kpb w + kpb r + j``. Each of the ``4 kpb`` (byte, field) planes is shifted, masked,
+    converted to float32 and stored with a sublane stride of ``4 kpb`` into a VMEM scratch
+    ``[n, D]`` in token order, where one scale and zero row covers ``G`` consecutive rows:
+    ``K = codes * scale + zero``. Scores ``s = (q / sqrt(D)) . K`` on the MXU, ``[n_rep, n]``.
+  - values: the ``uint8 [n, D / vpb]`` codes as words hold 4 tokens each (byte ``b``: token
+    ``4w + b``); the planes (byte ``b``, field ``j``) go with a sublane stride of 4 into a
+    scratch ``[vpb, n, D / vpb]`` in token order. Plane ``j`` holds channels ``vpb i + j`` on
+    lane ``i`` (the channels of a byte are spread over ``vpb`` planes), all of one channel group
+    per ``G / vpb`` lanes, so each token's scales and zero points are spread over the lanes by
+    an exact 0/1 matrix product and ``V_j = codes_j * scale + zero``.
+  - online softmax: the running max ``m``, the sum ``l`` and the ``vpb`` accumulators
+    ``acc_j += p @ V_j`` (``[n_rep, D / vpb]``) live in VMEM scratch across the grid steps.
+
+* Tail, at the last grid step, the R ring slots: slot ``s`` holds token
+  ``t(s) = Pv + (s - Pv) mod R`` (held if ``t(s) < l``) with its value in ``v_residual[s]``; its
+  key is ``k_residual[s]`` if ``t(s) >= Qk``, else quantized. Those quantized keys,
+  ``[Pv, Qk)``, lie in ``[Qk - R, Qk)``, which is inside one chunk of the last key block (the
+  chunk and the block are multiples of R), still in VMEM: the tail dequantizes that chunk again,
+  takes its scores of ``[Pv, Qk)`` and folds them onto their slots (an exact 0/1 product:
+  token ``t`` of the chunk to slot ``t % R``). Then ``out = (sum_j acc_j P_j + w @ v_residual) /
+  l`` with ``w`` the slots' softmax weights and ``P_j`` the 0/1 matrix that puts lane ``i`` of
+  plane ``j`` back at channel ``vpb i + j``. A sequence of length 0 gives zeros.
+
+Everything is float32 (products at ``Precision.HIGHEST``); only the output is rounded to the
+query's dtype. Rows past a sequence's regions (including the garbage of a last block that runs
+past the capacity) are masked before they meet a product, so they never turn a result into NaN.
+
+Supported (``supported_config_reason``): k_bits, v_bits in {2, 4}; G a multiple of 16
+dividing D; D in {64, 128}; bfloat16 or float16 caches.
+
+Not measured: no TPU was available to the project. The kernel runs in TPU interpret mode on the
+CPU (tests/test_decode_attention_tpu.py) and lowers to Mosaic there; the Mosaic compiler's own
+checks (vector layouts, strided stores) run only on a TPU. docs/tpu.md gives the floor on paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TpuTuning:
+    """Block sizes of the TPU kernel (no effect on results beyond float32 summation order).
+
+    block_tokens: tokens per grid step, copied into VMEM as one block of every state array.
+    chunk_tokens: tokens computed at a time inside a block.
+
+    Both are rounded up (`tiles`): the chunk to a multiple of R and of the TPU tiling unit
+    (`tiling_unit`: 512 tokens at G = 32), the block to a multiple of the chunk, and the block
+    is never larger than the capacity rounded up to the chunk. The defaults are not tuned (no
+    TPU was available): a TPU user should sweep them (README, docs/tpu.md).
+    """
+
+    block_tokens: int = 2048
+    chunk_tokens: int = 512
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TpuTuning.{f.name} must be a positive int, got {v!r}")
+
+
+def tiling_unit(*, k_bits: int, group_size: int) -> int:
+    """Tokens a chunk must be a multiple of so that every slice of it is whole TPU tiles: the key
+    codes' 8-bit rows in tiles of 32 (32 * kpb tokens), the key scales' 16-bit rows in tiles of
+    16 (16 G tokens), the scores' lanes in tiles of 128."""
+    return math.lcm(32 * (8 // k_bits), 16 * group_size, 128)
+
+
+def tiles(
+    tuning: TpuTuning, *, capacity: int, k_bits: int, group_size: int, residual_length: int
+) -> tuple[int, int]:
+    """(block, chunk) in tokens, as `TpuTuning` says: chunk a multiple of R and of the tiling
+    unit, block a multiple of the chunk and at most the capacity rounded up to the chunk."""
+    unit = math.lcm(tiling_unit(k_bits=k_bits, group_size=group_size), residual_length)
+    chunk = -(-tuning.chunk_tokens // unit) * unit
+    block = -(-tuning.block_tokens // chunk) * chunk
+    return min(block, -(-capacity // chunk) * chunk), chunk
+
+
+def supported_config_reason(
+    *, k_bits: int, v_bits: int, group_size: int, head_dim: int, dtype
+) -> str | None:
+    """None if the TPU kernel supports this configuration, else a sentence saying why not."""
+    if k_bits not in (2, 4) or v_bits not in (2, 4):
+        return f"k_bits={k_bits}, v_bits={v_bits}: the TPU kernel supports 2 and 4 bits"
+    if head_dim not in (64, 128):
+        return f"head_dim={head_dim}: the TPU kernel supports 64 and 128"
+    if group_size % 16 or head_dim % group_size:
+        return (
+            f"group_size={group_size}: the TPU kernel needs a multiple of 16 that divides "
+            f"head_dim={head_dim}"
+        )
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cache dtype {jnp.dtype(dtype)}: the TPU kernel supports bfloat16 and float16"
+    return None
+
+
+def _div(a, b):
+    """a // b for non-negative ints (lax.div: jnp's // adds sign handling Mosaic cannot lower)."""
+    return lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b):
+    """a % b for non-negative ints."""
+    return lax.rem(a, jnp.int32(b))
+
+
+def _regions(length, residual_length: int):
+    """(Qk, Pv): quantized keys [0, Qk), quantized values [0, Pv) of a sequence of `length`."""
+    return length - _rem(length, residual_length), jnp.maximum(length - residual_length, 0)
+
+
+def _last_block(n_tokens, block: int):
+    """Index of the block holding token n_tokens - 1 (0 when there is none)."""
+    return _div(jnp.maximum(n_tokens - 1, 0), block)
+
+
+def _nt(a, b):
+    """a @ b.T in float32: a [m, k], b [n, k] -> [m, n]."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+                           preferred_element_type=jnp.float32)  # fmt: skip
+
+
+def _nn(a, b):
+    """a @ b in float32: a [m, k], b [k, n] -> [m, n]."""
+    return jnp.dot(a, b, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def _zero_one(shape, cond):
+    """float32 0/1 matrix of `shape`: 1 where cond(row index, column index)."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    return cond(rows, cols).astype(jnp.float32)
+
+
+def spread_matrix(*, groups: int, width: int, group_size: int, v_bits: int):
+    """[D / G, D / vpb]: 1 where lane i of a value plane (channels vpb i + j) is in group g, so
+    that scale [n, D / G] @ it is each token's scale on every lane of a plane."""
+    lanes = group_size // (8 // v_bits)  # lanes per channel group
+    return _zero_one((groups, width), lambda g, i: _div(i, lanes) == g)
+
+
+def unspread_matrix(*, width: int, v_bits: int, field: int):
+    """[D / vpb, D]: 1 at (i, vpb i + field), so that x @ it puts lane i of value plane `field`
+    at channel vpb i + field."""
+    vpb = 8 // v_bits
+    return _zero_one((width, vpb * width), lambda i, d: d == vpb * i + field)
+
+
+def fold_matrix(*, tokens: int, residual_length: int):
+    """[tokens, R]: 1 at (u, u % R), so that p @ it adds the weight of token u of a chunk that
+    starts at a multiple of R to its ring slot."""
+    return _zero_one((tokens, residual_length), lambda u, s: _rem(u, residual_length) == s)
+
+
+def _keys(kc_ref, ks_ref, kz_ref, k_scr, c, *, n: int, bits: int, group_size: int):
+    """Chunk c of the key block, dequantized: float32 [n, D] in token order."""
+    kpb, G = 8 // bits, group_size
+    rows = n // kpb  # packed uint8 rows of the chunk
+    start = pl.multiple_of(c * rows, rows)
+    words = pltpu.bitcast(kc_ref[pl.ds(start, rows), :], jnp.int32)  # [n / (4 kpb), D]
+    per_plane = n // (4 * kpb)
+    for r in range(4):  # byte r of word row w: packed row 4w + r
+        for j in range(kpb):  # field j of that row: token kpb (4w + r) + j
+            codes = lax.shift_right_logical(words, 8 * r + bits * j) & ((1 << bits) - 1)
+            k_scr[pl.ds(kpb * r + j, per_plane, stride=4 * kpb), :] = codes.astype(jnp.float32)
+    groups = n // G
+    g0 = pl.multiple_of(c * groups, groups)
+    D = k_scr.shape[-1]
+    # [n / G, D] -> [n, D]: each group's row over its G tokens
+    rep = lambda x: jnp.broadcast_to(x.astype(jnp.float32)[:, None, :], (groups, G, D)).reshape(
+        n, D
+    )
+    return k_scr[...] * rep(ks_ref[pl.ds(g0, groups), :]) + rep(kz_ref[pl.ds(g0, groups), :])
+
+
+def _values(vc_ref, vs_ref, vz_ref, v_scr, c, *, n: int, bits: int, group_size: int):
+    """Chunk c of the value block, dequantized: vpb float32 planes [n, D / vpb] in token order,
+    plane j holding channel vpb * i + j on lane i."""
+    vpb = 8 // bits
+    start = pl.multiple_of(c * n, n)
+    words = pltpu.bitcast(vc_ref[pl.ds(start, n), :], jnp.int32)  # [n / 4, D / vpb]
+    for b in range(4):  # byte b of word row w: token 4w + b
+        for j in range(vpb):  # field j of byte i of a token: channel vpb * i + j
+            codes = lax.shift_right_logical(words, 8 * b + bits * j) & ((1 << bits) - 1)
+            v_scr[j, pl.ds(b, n // 4, stride=4), :] = codes.astype(jnp.float32)
+    spread = spread_matrix(
+        groups=vs_ref.shape[-1], width=v_scr.shape[-1], group_size=group_size, v_bits=bits
+    )
+    scale = _nn(vs_ref[pl.ds(start, n), :].astype(jnp.float32), spread)  # [n, D / vpb]
+    zero = _nn(vz_ref[pl.ds(start, n), :].astype(jnp.float32), spread)
+    return [v_scr[j] * scale + zero for j in range(vpb)]
+
+
+def _kernel(
+    lengths_ref,  # SMEM int32 [B] (scalar prefetch)
+    q_ref,  # [n_rep, D] float32, already times 1 / sqrt(D)
+    kc_ref,  # uint8 [block / kpb, D]
+    ks_ref,  # [block / G, D]
+    kz_ref,
+    vc_ref,  # uint8 [block, D / vpb]
+    vs_ref,  # [block, D / G]
+    vz_ref,
+    kr_ref,  # [R, D]
+    vr_ref,  # [R, D]
+    o_ref,  # [n_rep, D]
+    m_ref,  # scratch float32 [n_rep, 1]: running max
+    l_ref,  # scratch float32 [n_rep, 1]: running sum of exp(s - m)
+    acc_ref,  # scratch float32 [vpb, n_rep, D / vpb]: sum of p V_j over quantized values
+    k_scr,  # scratch float32 [chunk, D]: key codes in token order
+    v_scr,  # scratch float32 [vpb, chunk, D / vpb]: value codes in token order
+    *,
+    k_bits: int,
+    v_bits: int,
+    group_size: int,
+    residual_length: int,
+    block: int,
+    chunk: int,
+):
+    b, i = pl.program_id(0), pl.program_id(2)
+    R, n = residual_length, chunk
+    length = lengths_ref[b]
+    qk, pv = _regions(length, R)
+    q = q_ref[...]
+    keys = functools.partial(
+        _keys, ks_ref=ks_ref, kz_ref=kz_ref, k_scr=k_scr, n=n, bits=k_bits, group_size=group_size
+    )
+    values = functools.partial(_values, vs_ref=vs_ref, vz_ref=vz_ref, v_scr=v_scr, n=n,
+                               bits=v_bits, group_size=group_size)  # fmt: skip
+
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG_INIT, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def main_chunk(c, carry):
+        t0 = i * block + c * n
+        k = keys(kc_ref, c=c)
+        t = t0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)  # [1, n] token of each lane
+        s = jnp.where(t < pv, _nt(q, k), -jnp.inf)  # [n_rep, n]
+        m_old = m_ref[...]
+        m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_old - m_new)
+        p = jnp.exp(s - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_new
+        held = t0 + lax.broadcasted_iota(jnp.int32, (n, 1), 0) < pv  # [n, 1]
+        for j, v in enumerate(values(vc_ref, c=c)):
+            v = jnp.where(held, v, 0.0)  # rows past Pv may hold garbage (NaN)
+            acc_ref[j] = alpha * acc_ref[j] + _nn(p, v)
+        return carry
+
+    @pl.when(i * block < pv)
+    def _main():
+        n_chunks = jnp.minimum(_div(pv - i * block + n - 1, n), block // n)
+        lax.fori_loop(0, n_chunks, main_chunk, 0)
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _tail():
+        # The chunk of the last key block that holds [Qk - R, Qk) (chunk 0 where Qk = 0).
+        key_block = _last_block(qk, block)
+        c = _div(jnp.maximum(qk - R, 0) - key_block * block, n)
+        t = key_block * block + c * n + lax.broadcasted_iota(jnp.int32, (1, n), 1)  # [1, n]
+        s_q = jnp.where((t >= pv) & (t < qk), _nt(q, keys(kc_ref, c=c)), -jnp.inf)
+        slot = lax.broadcasted_iota(jnp.int32, (1, R), 1)
+        t_slot = pv + _rem(slot - _rem(pv, R) + R, R)  # [1, R] token held at each slot
+        s_r = jnp.where((t_slot < length) & (t_slot >= qk),
+                        _nt(q, kr_ref[...].astype(jnp.float32)), -jnp.inf)  # fmt: skip
+        m_old = m_ref[...]
+        m_new = jnp.maximum(
+            m_old,
+            jnp.maximum(jnp.max(s_q, axis=1, keepdims=True), jnp.max(s_r, axis=1, keepdims=True)),
+        )
+        alpha = jnp.exp(m_old - m_new)
+        fold = fold_matrix(tokens=n, residual_length=R)  # the chunk starts at a multiple of R
+        w = _nn(jnp.exp(s_q - m_new), fold) + jnp.exp(s_r - m_new)  # [n_rep, R] slot weights
+        total = alpha * l_ref[...] + jnp.sum(w, axis=1, keepdims=True)
+        out = _nn(w, vr_ref[...].astype(jnp.float32))  # [n_rep, D]
+        for j in range(acc_ref.shape[0]):
+            unspread = unspread_matrix(width=acc_ref.shape[-1], v_bits=v_bits, field=j)
+            out = out + _nn(alpha * acc_ref[j], unspread)
+        held = total > 0
+        o_ref[...] = jnp.where(held, out / jnp.where(held, total, 1.0), 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("k_bits", "v_bits", "group_size", "residual_length", "tuning", "interpret"),
+)
+def kivi_decode_attention_tpu(
+    q,  # [B, Hq, D]
+    k_codes,  # uint8 [B, H, C // kpb, D]
+    k_scale,  # [B, H, C // G, D]
+    k_zero,
+    v_codes,  # uint8 [B, H, C, D // vpb]
+    v_scale,  # [B, H, C, D // G]
+    v_zero,
+    k_residual,  # [B, H, R, D]
+    v_residual,  # [B, H, R, D]
+    lengths,  # int32 [B]
+    *,
+    k_bits: int,
+    v_bits: int,
+    group_size: int,
+    residual_length: int,
+    tuning: TpuTuning = TpuTuning(),
+    interpret: bool = False,
+):
+    """Decode attention over a KIVI state with the TPU kernel -> [B, Hq, D] in q's dtype.
+
+    interpret: run in Pallas TPU interpret mode (on the CPU; uninitialized memory is NaN, so a
+    read that is not masked shows up in the result).
+    """
+    B, Hq, D = q.shape
+    _, H, C, width = v_codes.shape  # width = D // vpb
+    G, R = group_size, residual_length
+    reason = supported_config_reason(
+        k_bits=k_bits, v_bits=v_bits, group_size=G, head_dim=D, dtype=k_residual.dtype
+    )
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
+    if R % G or C % G:
+        raise ValueError(f"residual_length={R} and capacity={C} must be multiples of G={G}")
+    n_rep, kpb, vpb = Hq // H, 8 // k_bits, 8 // v_bits
+    block, chunk = tiles(tuning, capacity=C, k_bits=k_bits, group_size=G, residual_length=R)
+    qs = (q.astype(jnp.float32) / math.sqrt(D)).reshape(B, H, n_rep, D)
+
+    def key_block(b, h, i, lengths_ref):
+        qk, _ = _regions(lengths_ref[b], R)
+        return jnp.minimum(i, _last_block(qk, block))
+
+    def value_block(b, h, i, lengths_ref):
+        _, pv = _regions(lengths_ref[b], R)
+        return jnp.minimum(i, _last_block(pv, block))
+
+    per_head = lambda b, h, i, lengths_ref: (b, h, 0, 0)
+    keys = lambda rows: pl.BlockSpec(
+        (None, None, rows, D), lambda b, h, i, lr: (b, h, key_block(b, h, i, lr), 0)
+    )
+    values = lambda lanes: pl.BlockSpec(
+        (None, None, block, lanes), lambda b, h, i, lr: (b, h, value_block(b, h, i, lr), 0)
+    )
+    residual = pl.BlockSpec((None, None, R, D), per_head)
+    kernel = functools.partial(
+        _kernel, k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R, block=block,
+        chunk=chunk,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, pl.cdiv(C, block)),
+            in_specs=[
+                pl.BlockSpec((None, None, n_rep, D), per_head),
+                keys(block // kpb),
+                keys(block // G),
+                keys(block // G),
+                values(width),
+                values(D // G),
+                values(D // G),
+                residual,
+                residual,
+            ],
+            out_specs=pl.BlockSpec((None, None, n_rep, D), per_head),
+            scratch_shapes=[
+                pltpu.VMEM((n_rep, 1), jnp.float32),
+                pltpu.VMEM((n_rep, 1), jnp.float32),
+                pltpu.VMEM((vpb, n_rep, width), jnp.float32),
+                pltpu.VMEM((chunk, D), jnp.float32),
+                pltpu.VMEM((vpb, chunk, width), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, H, n_rep, D), q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="kivi_decode_tpu",
+    )(lengths, qs, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
+    return out.reshape(B, Hq, D)
+
+
+def unsupported_reason(q: jax.Array, cache) -> str | None:
+    """None if `decode_attention_pallas_tpu(q, cache)` runs, else what it does not support."""
+    from kivi_jax.cache import KiviCache  # the state layout lives in kivi_jax
+
+    if not isinstance(cache, KiviCache):
+        return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
+    cfg = cache.config
+    return supported_config_reason(
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        head_dim=q.shape[-1],
+        dtype=cache.dtype,
+    )
+
+
+def decode_attention_pallas_tpu(
+    q: jax.Array, cache, *, interpret: bool = False, tuning: TpuTuning = TpuTuning()
+) -> jax.Array:
+    """The TPU kernel over one layer's KiviCache: q [B, Hq, D] -> [B, Hq, D] in q's dtype."""
+    reason = unsupported_reason(q, cache)
+    if reason is not None:
+        raise NotImplementedError(f"impl='pallas_tpu': {reason}")
+    cfg = cache.config
+    return kivi_decode_attention_tpu(
+        q,
+        cache.k_codes,
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_codes,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_residual,
+        cache.v_residual,
+        cache.lengths,
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        residual_length=cfg.residual_length,
+        tuning=tuning,
+        interpret=interpret,
+    )
