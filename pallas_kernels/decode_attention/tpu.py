@@ -43,9 +43,14 @@ are in the residual rings (token ``t`` at slot ``t % R``).
   l`` with ``w`` the slots' softmax weights and ``P_j`` the 0/1 matrix that puts lane ``i`` of
   plane ``j`` back at channel ``vpb i + j``. A sequence of length 0 gives zeros.
 
-Everything is float32 (products at ``Precision.HIGHEST``); only the output is rounded to the
-query's dtype. Rows past a sequence's regions (including the garbage of a last block that runs
-past the capacity) are masked before they meet a product, so they never turn a result into NaN.
+Dequantization, the softmax and every sum are float32. The products over the tokens (scores,
+values, the scales' spread) take their operands in `mxu_dtype`: bfloat16 for a bfloat16 cache
+(one MXU pass, float32 sums: the roundings of a plain bfloat16 attention; a decode step has only
+n_rep query rows, so each pass streams every key and value row through the MXU once), float32
+at ``Precision.HIGHEST`` for a float16 cache (the MXU has no float16). The tail's 0/1 products
+(fold, unspread) are exact float32. The output is rounded to the query's dtype. Rows past a
+sequence's regions (and the garbage of a last block that runs past the capacity) are masked
+before they meet a product, so they never turn a result into NaN.
 
 Supported (``supported_config_reason``): k_bits, v_bits in {2, 4}; G a multiple of 16
 dividing D; D in {64, 128}; bfloat16 or float16 caches.
@@ -150,15 +155,25 @@ def _last_block(n_tokens, block: int):
     return _div(jnp.maximum(n_tokens - 1, 0), block)
 
 
-def _nt(a, b):
-    """a @ b.T in float32: a [m, k], b [n, k] -> [m, n]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+def mxu_dtype(cache_dtype):
+    """The dtype of the operands of the kernel's products over the tokens: bfloat16 for a
+    bfloat16 cache (one MXU pass, float32 sums: the rounding of a plain bfloat16 attention),
+    float32 otherwise (Precision.HIGHEST: the MXU has no float16)."""
+    return jnp.bfloat16 if jnp.dtype(cache_dtype) == jnp.bfloat16 else jnp.float32
+
+
+def _dot(a, b, dtype, *, transpose_b: bool = False):
+    """a @ b (a [m, k], b [k, n]) or a @ b.T (b [n, k]) -> float32 [m, n], the operands rounded
+    to `dtype`; float32 operands at Precision.HIGHEST (exact float32 products)."""
+    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+    precision = _HI if dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, precision=precision,
                            preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def _nn(a, b):
-    """a @ b in float32: a [m, k], b [k, n] -> [m, n]."""
-    return jnp.dot(a, b, precision=_HI, preferred_element_type=jnp.float32)
+def _exact(a, b):
+    """a @ b in float32 at Precision.HIGHEST, for the 0/1 matrices of the tail (exact)."""
+    return _dot(a, b, jnp.float32)
 
 
 def _zero_one(shape, cond):
@@ -188,6 +203,12 @@ def fold_matrix(*, tokens: int, residual_length: int):
     return _zero_one((tokens, residual_length), lambda u, s: _rem(u, residual_length) == s)
 
 
+def _repeat_rows(x, times: int):
+    """[m, D] -> [m * times, D], each row `times` times (sublane broadcasts: times % 8 == 0)."""
+    m, d = x.shape
+    return jnp.broadcast_to(x[:, None, :], (m, times, d)).reshape(m * times, d)
+
+
 def _keys(kc_ref, ks_ref, kz_ref, k_scr, c, *, n: int, bits: int, group_size: int):
     """Chunk c of the key block, dequantized: float32 [n, D] in token order."""
     kpb, G = 8 // bits, group_size
@@ -201,15 +222,12 @@ def _keys(kc_ref, ks_ref, kz_ref, k_scr, c, *, n: int, bits: int, group_size: in
             k_scr[pl.ds(kpb * r + j, per_plane, stride=4 * kpb), :] = codes.astype(jnp.float32)
     groups = n // G
     g0 = pl.multiple_of(c * groups, groups)
-    D = k_scr.shape[-1]
-    # [n / G, D] -> [n, D]: each group's row over its G tokens
-    rep = lambda x: jnp.broadcast_to(x.astype(jnp.float32)[:, None, :], (groups, G, D)).reshape(
-        n, D
-    )
-    return k_scr[...] * rep(ks_ref[pl.ds(g0, groups), :]) + rep(kz_ref[pl.ds(g0, groups), :])
+    scale = _repeat_rows(ks_ref[pl.ds(g0, groups), :].astype(jnp.float32), G)  # [n, D]
+    zero = _repeat_rows(kz_ref[pl.ds(g0, groups), :].astype(jnp.float32), G)
+    return k_scr[...] * scale + zero
 
 
-def _values(vc_ref, vs_ref, vz_ref, v_scr, c, *, n: int, bits: int, group_size: int):
+def _values(vc_ref, vs_ref, vz_ref, v_scr, c, *, n: int, bits: int, group_size: int, mxu):
     """Chunk c of the value block, dequantized: vpb float32 planes [n, D / vpb] in token order,
     plane j holding channel vpb * i + j on lane i."""
     vpb = 8 // bits
@@ -222,8 +240,9 @@ def _values(vc_ref, vs_ref, vz_ref, v_scr, c, *, n: int, bits: int, group_size: 
     spread = spread_matrix(
         groups=vs_ref.shape[-1], width=v_scr.shape[-1], group_size=group_size, v_bits=bits
     )
-    scale = _nn(vs_ref[pl.ds(start, n), :].astype(jnp.float32), spread)  # [n, D / vpb]
-    zero = _nn(vz_ref[pl.ds(start, n), :].astype(jnp.float32), spread)
+    # [n, D / vpb]; exact in `mxu` (the scales and zero points are in the cache dtype)
+    scale = _dot(vs_ref[pl.ds(start, n), :], spread, mxu)
+    zero = _dot(vz_ref[pl.ds(start, n), :], spread, mxu)
     return [v_scr[j] * scale + zero for j in range(vpb)]
 
 
@@ -251,17 +270,18 @@ def _kernel(
     residual_length: int,
     block: int,
     chunk: int,
+    mxu,
 ):
     b, i = pl.program_id(0), pl.program_id(2)
     R, n = residual_length, chunk
     length = lengths_ref[b]
     qk, pv = _regions(length, R)
     q = q_ref[...]
-    keys = functools.partial(
-        _keys, ks_ref=ks_ref, kz_ref=kz_ref, k_scr=k_scr, n=n, bits=k_bits, group_size=group_size
-    )
-    values = functools.partial(_values, vs_ref=vs_ref, vz_ref=vz_ref, v_scr=v_scr, n=n,
-                               bits=v_bits, group_size=group_size)  # fmt: skip
+    # keys(c), values(c): chunk c of this step's key and value blocks, dequantized
+    keys = functools.partial(_keys, kc_ref, ks_ref, kz_ref, k_scr, n=n, bits=k_bits,
+                             group_size=group_size)  # fmt: skip
+    values = functools.partial(_values, vc_ref, vs_ref, vz_ref, v_scr, n=n, bits=v_bits,
+                               group_size=group_size, mxu=mxu)  # fmt: skip
 
     @pl.when(i == 0)
     def _init():
@@ -271,9 +291,9 @@ def _kernel(
 
     def main_chunk(c, carry):
         t0 = i * block + c * n
-        k = keys(kc_ref, c=c)
+        k = keys(c)  # [n, D]
         t = t0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)  # [1, n] token of each lane
-        s = jnp.where(t < pv, _nt(q, k), -jnp.inf)  # [n_rep, n]
+        s = jnp.where(t < pv, _dot(q, k, mxu, transpose_b=True), -jnp.inf)  # [n_rep, n]
         m_old = m_ref[...]
         m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_old - m_new)
@@ -281,9 +301,9 @@ def _kernel(
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_new
         held = t0 + lax.broadcasted_iota(jnp.int32, (n, 1), 0) < pv  # [n, 1]
-        for j, v in enumerate(values(vc_ref, c=c)):
-            v = jnp.where(held, v, 0.0)  # rows past Pv may hold garbage (NaN)
-            acc_ref[j] = alpha * acc_ref[j] + _nn(p, v)
+        for j, v in enumerate(values(c)):
+            v = jnp.where(held, v, 0.0)  # past the capacity a block holds garbage (NaN)
+            acc_ref[j] = alpha * acc_ref[j] + _dot(p, v, mxu)
         return carry
 
     @pl.when(i * block < pv)
@@ -297,11 +317,11 @@ def _kernel(
         key_block = _last_block(qk, block)
         c = _div(jnp.maximum(qk - R, 0) - key_block * block, n)
         t = key_block * block + c * n + lax.broadcasted_iota(jnp.int32, (1, n), 1)  # [1, n]
-        s_q = jnp.where((t >= pv) & (t < qk), _nt(q, keys(kc_ref, c=c)), -jnp.inf)
+        s_q = jnp.where((t >= pv) & (t < qk), _dot(q, keys(c), mxu, transpose_b=True), -jnp.inf)
         slot = lax.broadcasted_iota(jnp.int32, (1, R), 1)
         t_slot = pv + _rem(slot - _rem(pv, R) + R, R)  # [1, R] token held at each slot
         s_r = jnp.where((t_slot < length) & (t_slot >= qk),
-                        _nt(q, kr_ref[...].astype(jnp.float32)), -jnp.inf)  # fmt: skip
+                        _dot(q, kr_ref[...], mxu, transpose_b=True), -jnp.inf)  # fmt: skip
         m_old = m_ref[...]
         m_new = jnp.maximum(
             m_old,
@@ -309,12 +329,12 @@ def _kernel(
         )
         alpha = jnp.exp(m_old - m_new)
         fold = fold_matrix(tokens=n, residual_length=R)  # the chunk starts at a multiple of R
-        w = _nn(jnp.exp(s_q - m_new), fold) + jnp.exp(s_r - m_new)  # [n_rep, R] slot weights
+        w = _exact(jnp.exp(s_q - m_new), fold) + jnp.exp(s_r - m_new)  # [n_rep, R] slot weights
         total = alpha * l_ref[...] + jnp.sum(w, axis=1, keepdims=True)
-        out = _nn(w, vr_ref[...].astype(jnp.float32))  # [n_rep, D]
+        out = _dot(w, vr_ref[...], mxu)  # [n_rep, D]
         for j in range(acc_ref.shape[0]):
             unspread = unspread_matrix(width=acc_ref.shape[-1], v_bits=v_bits, field=j)
-            out = out + _nn(alpha * acc_ref[j], unspread)
+            out = out + _exact(alpha * acc_ref[j], unspread)
         held = total > 0
         o_ref[...] = jnp.where(held, out / jnp.where(held, total, 1.0), 0.0).astype(o_ref.dtype)
 
@@ -381,7 +401,7 @@ def kivi_decode_attention_tpu(
     residual = pl.BlockSpec((None, None, R, D), per_head)
     kernel = functools.partial(
         _kernel, k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R, block=block,
-        chunk=chunk,
+        chunk=chunk, mxu=mxu_dtype(k_residual.dtype),
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
