@@ -101,43 +101,39 @@ def test_keys_are_unpacked_in_token_order(rng, bits, G):
 
 @pytest.mark.parametrize(("bits", "G", "dtype"), [(2, 32, jnp.bfloat16), (4, 16, jnp.float16)])
 def test_values_are_unpacked_in_token_order(rng, bits, G, dtype):
-    """_values on chunk 1 (n = 64 tokens): plane j, row t, lane i is code * scale + zero of
-    token n + t, channel vpb * i + j (codes packed along channels), the token's (scale, zero)
-    of that channel's group, spread over the lanes in mxu_dtype(dtype); bit-identical to
+    """_values on chunk 1 (n = 64 tokens): row t, lane j D / vpb + i is code * scale + zero of
+    token n + t, channel vpb i + j (codes packed along channels), with the token's (scale,
+    zero) of that channel's group spread over the lanes in mxu_dtype(dtype); bit-identical to
     quantization.dequantize."""
     n, D, vpb = 64, 128, 8 // bits
     codes = rng.integers(0, 256, (2 * n, D // vpb), dtype=np.uint8)
     scale, zero = (jnp.asarray(rng.normal(size=(2 * n, D // G)), dtype) for _ in "sz")
-
-    def fn(c_ref, s_ref, z_ref, scr):
-        planes = _values(c_ref, s_ref, z_ref, scr, 1, n=n, bits=bits, group_size=G,
-                         mxu=mxu_dtype(dtype))  # fmt: skip
-        return jnp.stack(planes)
-
-    shape = (vpb, n, D // vpb)
-    out = _unpack_in_kernel(fn, (jnp.asarray(codes), scale, zero), (shape, shape))
+    fn = lambda c_ref, s_ref, z_ref, scr: _values(c_ref, s_ref, z_ref, scr, 1, n=n, bits=bits,
+                                                  group_size=G, mxu=mxu_dtype(dtype))  # fmt: skip
+    out = _unpack_in_kernel(fn, (jnp.asarray(codes), scale, zero), ((n, D), (n, D)))
     unpacked = kivi_jax.quantization.unpack_codes(jnp.asarray(codes), bits, axis=1)
     expected = kivi_jax.quantization.dequantize(unpacked, scale, zero, G, axis=1)[n:]  # [n, D]
+    width = D // vpb
     for j in range(vpb):
-        np.testing.assert_array_equal(np.asarray(out[j]), np.asarray(expected[:, j::vpb]))
+        np.testing.assert_array_equal(
+            np.asarray(out[:, j * width : (j + 1) * width]), np.asarray(expected[:, j::vpb])
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_spread_and_unspread_matrices(rng, bits):
-    """scale @ spread puts a token's group-g scale on every lane whose channels are in group g;
-    sum_j plane_j @ unspread_j interleaves the planes back into channel order."""
+    """scale @ spread puts a token's group-g scale on every lane of the value scratch whose
+    channel (lane j D / vpb + i: channel vpb i + j) is in group g; x @ unspread puts the
+    scratch's lanes back in channel order."""
     D, G, vpb = 128, 32, 8 // bits
+    width = D // vpb
+    lane_channel = np.array([vpb * (c % width) + c // width for c in range(D)])
     scale = rng.normal(size=(5, D // G)).astype(np.float32)
-    spread = spread_matrix(groups=D // G, width=D // vpb, group_size=G, v_bits=bits)
-    lanes = np.arange(D // vpb)
-    np.testing.assert_array_equal(scale @ np.asarray(spread), scale[:, lanes * vpb // G])
-    planes = rng.normal(size=(vpb, 3, D // vpb)).astype(np.float32)
-    joined = sum(
-        planes[j] @ np.asarray(unspread_matrix(width=D // vpb, v_bits=bits, field=j))
-        for j in range(vpb)
-    )
-    for j in range(vpb):
-        np.testing.assert_array_equal(joined[:, j::vpb], planes[j])
+    spread = np.asarray(spread_matrix(head_dim=D, group_size=G, v_bits=bits))
+    np.testing.assert_array_equal(scale @ spread, scale[:, lane_channel // G])
+    x = rng.normal(size=(3, D)).astype(np.float32)
+    unspread = np.asarray(unspread_matrix(head_dim=D, v_bits=bits))
+    np.testing.assert_array_equal((x @ unspread)[:, lane_channel], x)
 
 
 def test_fold_matrix_adds_tokens_to_their_slots(rng):
@@ -428,17 +424,19 @@ def test_unsupported_configs_are_named():
     assert "group_size=8" in tpu_supported_config_reason(**{**ok, "group_size": 8})
 
 
-_SLOW_GRID = list(
-    itertools.product(
+_SLOW_GRID = [
+    pytest.param(
+        k_bits, v_bits, D, n_rep, dtype, id=f"k{k_bits}v{v_bits}-D{D}-rep{n_rep}-{dtype.__name__}"
+    )
+    for (k_bits, v_bits), D, n_rep, dtype in itertools.product(
         [(2, 2), (4, 4), (2, 4), (4, 2)], [64, 128], [1, 3, 4, 8], [jnp.bfloat16, jnp.float16]
     )
-)
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype"), _SLOW_GRID)
-def test_kernel_matches_reference_full_grid(rng, slow_only, bits, D, n_rep, dtype):
-    k_bits, v_bits = bits
+@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype"), _SLOW_GRID)
+def test_kernel_matches_reference_full_grid(rng, slow_only, k_bits, v_bits, D, n_rep, dtype):
     q, cache = _case(
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=3,
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, max_len=2100,

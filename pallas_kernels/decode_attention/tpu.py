@@ -25,13 +25,14 @@ are in the residual rings (token ``t`` at slot ``t % R``).
     ``[n, D]`` in token order, where one scale and zero row covers ``G`` consecutive rows:
     ``K = codes * scale + zero``. Scores ``s = (q / sqrt(D)) . K`` on the MXU, ``[n_rep, n]``.
   - values: the ``uint8 [n, D / vpb]`` codes as words hold 4 tokens each (byte ``b``: token
-    ``4w + b``); the planes (byte ``b``, field ``j``) go with a sublane stride of 4 into a
-    scratch ``[vpb, n, D / vpb]`` in token order. Plane ``j`` holds channels ``vpb i + j`` on
-    lane ``i`` (the channels of a byte are spread over ``vpb`` planes), all of one channel group
-    per ``G / vpb`` lanes, so each token's scales and zero points are spread over the lanes by
-    an exact 0/1 matrix product and ``V_j = codes_j * scale + zero``.
-  - online softmax: the running max ``m``, the sum ``l`` and the ``vpb`` accumulators
-    ``acc_j += p @ V_j`` (``[n_rep, D / vpb]``) live in VMEM scratch across the grid steps.
+    ``4w + b``); plane (byte ``b``, field ``j``) goes with a sublane stride of 4 into lanes
+    ``[j D / vpb, (j + 1) D / vpb)`` of a scratch ``[n, D]``, so that rows are tokens and lane
+    ``j D / vpb + i`` holds channel ``vpb i + j`` (a fixed permutation of the channels, undone
+    once at the end): whole 128-lane rows for the arithmetic and one product, although a token's
+    codes are only ``D / vpb`` bytes. Each token's scales and zero points are spread over the
+    lanes of their channels by an exact 0/1 product, and ``V = codes * scale + zero``.
+  - online softmax: the running max ``m``, the sum ``l`` and the accumulator ``acc += p @ V``
+    (``[n_rep, D]``, permuted channels) live in VMEM scratch across the grid steps.
 
 * Tail, at the last grid step, the R ring slots: slot ``s`` holds token
   ``t(s) = Pv + (s - Pv) mod R`` (held if ``t(s) < l``) with its value in ``v_residual[s]``; its
@@ -39,9 +40,9 @@ are in the residual rings (token ``t`` at slot ``t % R``).
   ``[Pv, Qk)``, lie in ``[Qk - R, Qk)``, which is inside one chunk of the last key block (the
   chunk and the block are multiples of R), still in VMEM: the tail dequantizes that chunk again,
   takes its scores of ``[Pv, Qk)`` and folds them onto their slots (an exact 0/1 product:
-  token ``t`` of the chunk to slot ``t % R``). Then ``out = (sum_j acc_j P_j + w @ v_residual) /
-  l`` with ``w`` the slots' softmax weights and ``P_j`` the 0/1 matrix that puts lane ``i`` of
-  plane ``j`` back at channel ``vpb i + j``. A sequence of length 0 gives zeros.
+  token ``t`` of the chunk to slot ``t % R``). Then ``out = (acc U + w @ v_residual) / l`` with
+  ``w`` the slots' softmax weights and ``U`` the 0/1 matrix that undoes the channel permutation.
+  A sequence of length 0 gives zeros.
 
 Dequantization, the softmax and every sum are float32. The products over the tokens (scores,
 values, the scales' spread) take their operands in `mxu_dtype`: bfloat16 for a bfloat16 cache
@@ -183,18 +184,21 @@ def _zero_one(shape, cond):
     return cond(rows, cols).astype(jnp.float32)
 
 
-def spread_matrix(*, groups: int, width: int, group_size: int, v_bits: int):
-    """[D / G, D / vpb]: 1 where lane i of a value plane (channels vpb i + j) is in group g, so
-    that scale [n, D / G] @ it is each token's scale on every lane of a plane."""
-    lanes = group_size // (8 // v_bits)  # lanes per channel group
-    return _zero_one((groups, width), lambda g, i: _div(i, lanes) == g)
+def spread_matrix(*, head_dim: int, group_size: int, v_bits: int):
+    """[D / G, D]: 1 where lane j D / vpb + i of the value scratch (channel vpb i + j) is in
+    group g, so that scale [n, D / G] @ it is each token's scale on the lanes of its channels."""
+    width, vpb = head_dim // (8 // v_bits), 8 // v_bits
+    lanes = group_size // vpb  # lanes of one group within a plane
+    return _zero_one(
+        (head_dim // group_size, head_dim), lambda g, c: _div(_rem(c, width), lanes) == g
+    )
 
 
-def unspread_matrix(*, width: int, v_bits: int, field: int):
-    """[D / vpb, D]: 1 at (i, vpb i + field), so that x @ it puts lane i of value plane `field`
-    at channel vpb i + field."""
-    vpb = 8 // v_bits
-    return _zero_one((width, vpb * width), lambda i, d: d == vpb * i + field)
+def unspread_matrix(*, head_dim: int, v_bits: int):
+    """[D, D]: 1 at (j D / vpb + i, vpb i + j), so that x @ it puts the value scratch's lanes
+    back in channel order."""
+    width, vpb = head_dim // (8 // v_bits), 8 // v_bits
+    return _zero_one((head_dim, head_dim), lambda c, d: d == vpb * _rem(c, width) + _div(c, width))
 
 
 def fold_matrix(*, tokens: int, residual_length: int):
@@ -228,22 +232,22 @@ def _keys(kc_ref, ks_ref, kz_ref, k_scr, c, *, n: int, bits: int, group_size: in
 
 
 def _values(vc_ref, vs_ref, vz_ref, v_scr, c, *, n: int, bits: int, group_size: int, mxu):
-    """Chunk c of the value block, dequantized: vpb float32 planes [n, D / vpb] in token order,
-    plane j holding channel vpb * i + j on lane i."""
+    """Chunk c of the value block, dequantized: float32 [n, D] in token order, lane
+    j D / vpb + i holding channel vpb i + j."""
     vpb = 8 // bits
+    D = v_scr.shape[-1]
+    width = D // vpb  # bytes of a token
     start = pl.multiple_of(c * n, n)
     words = pltpu.bitcast(vc_ref[pl.ds(start, n), :], jnp.int32)  # [n / 4, D / vpb]
     for b in range(4):  # byte b of word row w: token 4w + b
         for j in range(vpb):  # field j of byte i of a token: channel vpb * i + j
             codes = lax.shift_right_logical(words, 8 * b + bits * j) & ((1 << bits) - 1)
-            v_scr[j, pl.ds(b, n // 4, stride=4), :] = codes.astype(jnp.float32)
-    spread = spread_matrix(
-        groups=vs_ref.shape[-1], width=v_scr.shape[-1], group_size=group_size, v_bits=bits
-    )
-    # [n, D / vpb]; exact in `mxu` (the scales and zero points are in the cache dtype)
+            v_scr[pl.ds(b, n // 4, stride=4), pl.ds(j * width, width)] = codes.astype(jnp.float32)
+    spread = spread_matrix(head_dim=D, group_size=group_size, v_bits=bits)
+    # [n, D]; exact in `mxu` (the scales and zero points are in the cache dtype)
     scale = _dot(vs_ref[pl.ds(start, n), :], spread, mxu)
     zero = _dot(vz_ref[pl.ds(start, n), :], spread, mxu)
-    return [v_scr[j] * scale + zero for j in range(vpb)]
+    return v_scr[...] * scale + zero
 
 
 def _kernel(
@@ -260,9 +264,9 @@ def _kernel(
     o_ref,  # [n_rep, D]
     m_ref,  # scratch float32 [n_rep, 1]: running max
     l_ref,  # scratch float32 [n_rep, 1]: running sum of exp(s - m)
-    acc_ref,  # scratch float32 [vpb, n_rep, D / vpb]: sum of p V_j over quantized values
+    acc_ref,  # scratch float32 [n_rep, D]: sum of p V over quantized values, permuted channels
     k_scr,  # scratch float32 [chunk, D]: key codes in token order
-    v_scr,  # scratch float32 [vpb, chunk, D / vpb]: value codes in token order
+    v_scr,  # scratch float32 [chunk, D]: value codes in token order, permuted channels
     *,
     k_bits: int,
     v_bits: int,
@@ -301,9 +305,8 @@ def _kernel(
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_new
         held = t0 + lax.broadcasted_iota(jnp.int32, (n, 1), 0) < pv  # [n, 1]
-        for j, v in enumerate(values(c)):
-            v = jnp.where(held, v, 0.0)  # past the capacity a block holds garbage (NaN)
-            acc_ref[j] = alpha * acc_ref[j] + _dot(p, v, mxu)
+        v = jnp.where(held, values(c), 0.0)  # past the capacity a block holds garbage (NaN)
+        acc_ref[...] = alpha * acc_ref[...] + _dot(p, v, mxu)
         return carry
 
     @pl.when(i * block < pv)
@@ -331,12 +334,10 @@ def _kernel(
         fold = fold_matrix(tokens=n, residual_length=R)  # the chunk starts at a multiple of R
         w = _exact(jnp.exp(s_q - m_new), fold) + jnp.exp(s_r - m_new)  # [n_rep, R] slot weights
         total = alpha * l_ref[...] + jnp.sum(w, axis=1, keepdims=True)
-        out = _dot(w, vr_ref[...], mxu)  # [n_rep, D]
-        for j in range(acc_ref.shape[0]):
-            unspread = unspread_matrix(width=acc_ref.shape[-1], v_bits=v_bits, field=j)
-            out = out + _exact(alpha * acc_ref[j], unspread)
-        held = total > 0
-        o_ref[...] = jnp.where(held, out / jnp.where(held, total, 1.0), 0.0).astype(o_ref.dtype)
+        unspread = unspread_matrix(head_dim=acc_ref.shape[-1], v_bits=v_bits)
+        out = _dot(w, vr_ref[...], mxu) + _exact(alpha * acc_ref[...], unspread)  # [n_rep, D]
+        some = total > 0  # a sequence of length 0 gives zeros
+        o_ref[...] = jnp.where(some, out / jnp.where(some, total, 1.0), 0.0).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -379,7 +380,7 @@ def kivi_decode_attention_tpu(
         raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
     if R % G or C % G:
         raise ValueError(f"residual_length={R} and capacity={C} must be multiples of G={G}")
-    n_rep, kpb, vpb = Hq // H, 8 // k_bits, 8 // v_bits
+    n_rep, kpb = Hq // H, 8 // k_bits
     block, chunk = tiles(tuning, capacity=C, k_bits=k_bits, group_size=G, residual_length=R)
     qs = (q.astype(jnp.float32) / math.sqrt(D)).reshape(B, H, n_rep, D)
 
@@ -423,9 +424,9 @@ def kivi_decode_attention_tpu(
             scratch_shapes=[
                 pltpu.VMEM((n_rep, 1), jnp.float32),
                 pltpu.VMEM((n_rep, 1), jnp.float32),
-                pltpu.VMEM((vpb, n_rep, width), jnp.float32),
+                pltpu.VMEM((n_rep, D), jnp.float32),
                 pltpu.VMEM((chunk, D), jnp.float32),
-                pltpu.VMEM((vpb, chunk, width), jnp.float32),
+                pltpu.VMEM((chunk, D), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((B, H, n_rep, D), q.dtype),
