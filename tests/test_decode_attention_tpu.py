@@ -5,7 +5,9 @@ block that runs past the capacity, read as NaN, so a read that is not masked sho
 shapes with small blocks, so that sequences span several blocks and chunks; `pytest -m slow`
 runs the full grid (bits x head_dim x GQA x dtype). A test lowers the kernel for TPU (Mosaic) on
 the CPU, so that a block that breaks the TPU tiling rules fails here rather than on a TPU; the
-Mosaic compiler's own checks (vector layouts, strided stores) run only on a TPU.
+Mosaic compiler's own checks (vector layouts, strided stores) run only on a TPU, where
+`pytest tests/test_decode_attention_tpu.py` also runs the compiled kernel over the full grid
+(skipped elsewhere; no TPU was available to the project, so those have never run).
 
 States are real: built by kivi_jax.prefill and kivi_jax.append from random keys and values
 (ragged prompts, then decode steps so rings wrap and keys flush), plus one state with random
@@ -442,3 +444,17 @@ def test_kernel_matches_reference_full_grid(rng, slow_only, k_bits, v_bits, D, n
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, max_len=2100,
     )  # fmt: skip
     _check(q, cache)
+
+
+@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype"), _SLOW_GRID)
+@pytest.mark.parametrize("tuning", [TpuTuning(), SMALL], ids=["default", "small"])
+def test_compiled_kernel_matches_reference_on_a_tpu(rng, tuning, k_bits, v_bits, D, n_rep, dtype):
+    """On a TPU backend only: the Mosaic-compiled kernel over the full grid, with the default
+    and the small blocks (the CPU runs it interpreted above)."""
+    if jax.default_backend() != "tpu":
+        pytest.skip("needs a TPU")
+    q, cache = _case(
+        rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4,
+        prompts=[0, 1, 95, 1280, 4000, 3001, 129, 8190], steps=9, max_len=8200,
+    )  # fmt: skip
+    _check(q, cache, attend=functools.partial(decode_attention_pallas_tpu, tuning=tuning))
