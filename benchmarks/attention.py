@@ -29,7 +29,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from kivi_jax.pallas_kernels.decode_attention import GpuTuning, kivi_decode_attention_gpu
+from kivi_jax.pallas_kernels.decode_attention import (
+    GpuTuning,
+    TpuTuning,
+    kivi_decode_attention_gpu,
+    kivi_decode_attention_tpu,
+)
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     key_scores,
     quantize_query,
@@ -149,6 +154,40 @@ def xla_step(q, kv):
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
+# On a TPU (no cuDNN): jax's Pallas TPU paged attention over bf16 pages of PAGE tokens,
+# PAGES_PER_BLOCK to a kernel block (not tuned), XLA's dot_product_attention and the einsum.
+PAGE, PAGES_PER_BLOCK = 64, 8
+BF16_METHODS = ("cudnn", "xla", "paged", "xla_sdpa")
+
+
+def paged_states(key, s: Shape):
+    """Random bf16 K and V pages [kv_heads, batch * context / PAGE, PAGE, head_dim] (sequence b
+    in pages b * P .. b * P + P - 1), page indices and lengths, every sequence at full context."""
+    pages = s.context // PAGE
+    shape = (s.kv_heads, s.batch * pages, PAGE, s.head_dim)
+    indices = jnp.arange(s.batch * pages, dtype=jnp.int32).reshape(s.batch, pages)
+    lengths = jnp.full((s.batch,), s.context, jnp.int32)
+    out = []
+    for i in range(_copies(bf16_bytes(s))):
+        kk, kv = jax.random.split(jax.random.fold_in(key, i))
+        k, v = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kk, kv))
+        out.append((k, v, lengths, indices))
+    return out
+
+
+def paged_step(q, state):
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    k, v, lengths, indices = state
+    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)  # the kernel does not scale q
+    return paged_attention(q, k, v, lengths, indices, pages_per_compute_block=PAGES_PER_BLOCK)
+
+
+def xla_sdpa_step(q, kv):
+    k, v = kv
+    return jax.nn.dot_product_attention(q[:, None], k, v, implementation="xla")[:, 0]
+
+
 def kivi_states(key, s: Shape, bits: int):
     """Random KIVI states in the cache layout, every sequence at full context."""
     b, h, c, d, r = s.batch, s.kv_heads, s.context, s.head_dim, RESIDUAL
@@ -176,9 +215,13 @@ def kivi_states(key, s: Shape, bits: int):
     return out
 
 
-def kivi_step(bits: int, tuning: GpuTuning, interpret: bool = False):
+def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False):
+    kernel = (
+        kivi_decode_attention_tpu if isinstance(tuning, TpuTuning) else kivi_decode_attention_gpu
+    )
+
     def step(q, state):
-        return kivi_decode_attention_gpu(
+        return kernel(
             q, **state, k_bits=bits, v_bits=bits, group_size=GROUP, residual_length=RESIDUAL,
             tuning=tuning, interpret=interpret,
         )  # fmt: skip
@@ -226,13 +269,20 @@ def bench_shape(
             flush=True,
         )
 
-    if baselines is None:
+    if baselines is None and isinstance(tuning, TpuTuning):  # a TPU (main's choice of tuning)
+        states = paged_states(key, s)
+        record("paged", bf16_bytes(s), paged_step, (qs, states))
+        states = bf16_states(key, s)
+        record("xla_sdpa", bf16_bytes(s), xla_sdpa_step, (qs, states))
+        record("xla", bf16_bytes(s), xla_step, (qs, states))
+        del states
+    elif baselines is None:
         states = bf16_states(key, s)
         record("cudnn", bf16_bytes(s), cudnn_step, (qs, states))
         record("xla", bf16_bytes(s), xla_step, (qs, states))
         del states
     else:
-        for name in ("cudnn", "xla"):
+        for name in [n for n in BF16_METHODS if n in baselines["methods"]]:
             m = dict(baselines["methods"][name], earlier_run=True)
             if "us" in m:  # percent of this run's peak
                 m["pct_peak"] = 100 * m["bytes"] / (m["us"] * 1e-6) / peak
@@ -243,7 +293,7 @@ def bench_shape(
         record(f"kivi{bits}", kivi_bytes(s, bits), kivi_step(bits, tuning, interpret), (qs, states))
         del states
     for key_, speedup in (("us", "speedup"), ("host_us", "host_speedup")):
-        base = [m[key_] for k, m in row["methods"].items() if k in ("cudnn", "xla") and key_ in m]
+        base = [m[key_] for k, m in row["methods"].items() if k in BF16_METHODS and key_ in m]
         if base:
             row[f"best_bf16_{key_}"] = min(base)
             for bits in (2, 4):
@@ -596,7 +646,7 @@ def main(argv=None) -> None:
         "residual_length": RESIDUAL,
         "rows": [],
     }
-    tuning = GpuTuning(**args.tuning)
+    tuning = (TpuTuning if dev.platform == "tpu" else GpuTuning)(**args.tuning)
     if args.sweep:
         s0 = (
             next(s for s in shapes if s.name == f"{args.sweep_model} 8x32k")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from kivi_jax.cache import Cache, FullCache, check_cache, dequantized_heads_major
 
-IMPLEMENTATIONS = ("auto", "reference", "pallas")
+IMPLEMENTATIONS = ("auto", "reference", "pallas", "pallas_tpu")
 
 
 def check_decode_inputs(q: jax.Array, cache: Cache) -> int:
@@ -86,9 +86,11 @@ def decode_attention(
     Args:
       q: [batch, q_heads, head_dim], q_heads a multiple of the cache's kv_heads.
       cache: one layer's KiviCache or FullCache, already holding this step's key and value.
-      impl: "reference" (plain jnp), "pallas" (the fused KIVI kernel; an error where it does not
-        support the configuration) or "auto": on a GPU the fused kernel for a KiviCache it
-        supports and cuDNN's attention for a bfloat16/float16 FullCache, else the reference.
+      impl: "reference" (plain jnp), "pallas" (the fused GPU kernel; an error where it does not
+        support the configuration), "pallas_tpu" (the fused TPU kernel, likewise) or "auto":
+        on a GPU the fused kernel for a KiviCache it supports and cuDNN's attention for a
+        bfloat16/float16 FullCache, on a TPU the TPU kernel where it applies, else the
+        reference.
       interpret: run a Pallas kernel in interpret mode (CPU tests).
 
     Returns:
@@ -100,8 +102,15 @@ def decode_attention(
     if impl == "reference":
         return decode_attention_reference(q, cache)
     # Imported here so that `import kivi_jax` does not pull in Pallas.
-    from kivi_jax.pallas_kernels.decode_attention import gpu
+    from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
+    if impl == "pallas_tpu":
+        if not interpret and jax.default_backend() != "tpu":
+            raise NotImplementedError(
+                f"impl='pallas_tpu': the fused kernel runs on a TPU (backend here: "
+                f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
+            )
+        return tpu.decode_attention_pallas_tpu(q, cache, interpret=interpret)
     if impl == "pallas":
         if not interpret and jax.default_backend() != "gpu":
             raise NotImplementedError(
@@ -109,9 +118,11 @@ def decode_attention(
                 f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
             )
         return gpu.decode_attention_pallas(q, cache, interpret=interpret)
-    # "auto": a GPU kernel where one applies, else the reference.
+    # "auto": the backend's kernel where one applies, else the reference.
     if cudnn_unsupported_reason(q, cache) is None:
         return decode_attention_cudnn(q, cache)
     if jax.default_backend() == "gpu" and gpu.unsupported_reason(q, cache) is None:
         return gpu.decode_attention_pallas(q, cache, interpret=interpret)
+    if jax.default_backend() == "tpu" and tpu.unsupported_reason(q, cache) is None:
+        return tpu.decode_attention_pallas_tpu(q, cache, interpret=interpret)
     return decode_attention_reference(q, cache)
