@@ -36,6 +36,25 @@ PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer 
 # the H200, docs/performance.md), while steps of a fixed count are not; rows done early stay
 # padded for at most DECODE_CHUNK - 1 steps.
 DECODE_CHUNK = 32
+# With prefill_rows None, the prompt's working memory (activations and the states of the rows
+# being prefilled) is held to this share of the device's memory, where the device reports it.
+PREFILL_MEMORY_SHARE = 0.08
+
+
+def auto_prefill_rows(params: LlamaParams, cache, width: int) -> int:
+    """Rows prefilled at a time when `prefill_rows` is None: all of them, unless the device
+    reports its memory (a GPU) and the prompt's working memory for all rows would exceed
+    PREFILL_MEMORY_SHARE of it. A row's share: an upper bound on one block's live activations
+    over `width` tokens (float32: the residual stream, its norm, q/k/v and the attention
+    output, the MLP's three intermediates) plus the row's KV states."""
+    batch = cache[0].batch
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return batch
+    c = params.config
+    activations = width * (8 * c.hidden_size + 3 * c.intermediate_size) * 4
+    per_row = activations + memory_report(cache).total_bytes // batch
+    return max(1, min(batch, int(PREFILL_MEMORY_SHARE * limit // per_row)))
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
@@ -99,9 +118,12 @@ class SamplingState:
     key: jax.Array  # PRNG key
 
 
-def _start(params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling):
-    """Prefill + the first token: the state before the first decode step."""
-    logits, cache = llama.prefill(params, tokens, lengths, cache)
+def _start(
+    params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling, rows: int
+):
+    """Prefill (`rows` rows at a time) + the first token: the state before the first decode
+    step."""
+    logits, cache = llama.prefill(params, tokens, lengths, cache, rows=rows)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     B = tokens.shape[0]
@@ -154,7 +176,7 @@ def _decode(params, state: SamplingState, *, max_new_tokens: int, sampling: Samp
 
 
 _start_jit = jax.jit(
-    _start, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
+    _start, static_argnames=("max_new_tokens", "sampling", "rows"), donate_argnames=("cache",)
 )
 _decode_jit = jax.jit(
     _decode, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("state",)
@@ -162,8 +184,18 @@ _decode_jit = jax.jit(
 _step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
 
 
-def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, sampling: Sampling):
-    """Checks every input before anything runs; returns (tokens, lengths, empty cache)."""
+def _prepare(
+    params: LlamaParams,
+    tokens,
+    lengths,
+    *,
+    kv,
+    max_new_tokens: int,
+    sampling: Sampling,
+    prefill_rows: int | None = None,
+):
+    """Checks every input before anything runs; returns (tokens, lengths, empty cache, rows
+    prefilled at a time)."""
     if not isinstance(params, LlamaParams):
         raise TypeError(f"params must be LlamaParams (model.params), got {type(params).__name__}")
     c = params.config
@@ -194,6 +226,10 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
         raise ValueError(
             f"token id {tokens[b, t]} at [{b}, {t}] is outside the vocabulary [0, {c.vocab_size})"
         )
+    if prefill_rows is not None and (
+        not isinstance(prefill_rows, int | np.integer) or prefill_rows < 1
+    ):
+        raise ValueError(f"prefill_rows must be a positive int or None, got {prefill_rows!r}")
     if sampling.eos_id is not None and not 0 <= sampling.eos_id < c.vocab_size:
         raise ValueError(f"eos_id {sampling.eos_id} is outside the vocabulary [0, {c.vocab_size})")
     longest = int(lengths.max())
@@ -216,7 +252,8 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
         dtype=params.dtype,
         num_layers=c.num_layers,
     )
-    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache
+    rows = auto_prefill_rows(params, cache, width) if prefill_rows is None else prefill_rows
+    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache, min(int(rows), B)
 
 
 def generate(
@@ -231,6 +268,7 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     lengths=None,
+    prefill_rows: int | None = None,
 ) -> jax.Array:
     """Generates `max_new_tokens` tokens after each prompt.
 
@@ -243,6 +281,9 @@ def generate(
       seed: PRNG seed for sampling.
       eos_id: a sequence stops after producing it; its later positions are eos_id.
       lengths: int [batch] real prompt lengths (default: all `seq`).
+      prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
+        with it, not with the batch); None: all of them, or on a device that reports its
+        memory as many as keep that memory within PREFILL_MEMORY_SHARE of it.
 
     Returns:
       int32 [batch, max_new_tokens].
@@ -252,14 +293,14 @@ def generate(
         model's context, malformed lengths; all before anything is compiled or run.
     """
     sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
-    tokens, lengths, cache = _prepare(
-        params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling
-    )
+    tokens, lengths, cache, rows = _prepare(
+        params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
+        prefill_rows=prefill_rows,
+    )  # fmt: skip
     n = int(max_new_tokens)
-    state = _start_jit(
-        params, tokens, lengths, cache, jax.random.key(seed), max_new_tokens=n, sampling=sampling
-    )
-    return _decode_jit(params, state, max_new_tokens=n, sampling=sampling).generated
+    kw = dict(max_new_tokens=n, sampling=sampling)
+    state = _start_jit(params, tokens, lengths, cache, jax.random.key(seed), **kw, rows=rows)
+    return _decode_jit(params, state, **kw).generated
 
 
 @dataclasses.dataclass
@@ -312,7 +353,7 @@ class TokenStream:
             temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id
         )
         self.max_new_tokens = int(max_new_tokens)
-        self.tokens, self.lengths, cache = _prepare(
+        self.tokens, self.lengths, cache, rows = _prepare(
             params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling
         )
         report = memory_report(cache)
@@ -332,9 +373,12 @@ class TokenStream:
             key,
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
+            rows=rows,
         ).compile()
         state_shape = jax.eval_shape(
-            functools.partial(_start, max_new_tokens=self.max_new_tokens, sampling=self.sampling),
+            functools.partial(
+                _start, max_new_tokens=self.max_new_tokens, sampling=self.sampling, rows=rows
+            ),
             params,
             self.tokens,
             self.lengths,

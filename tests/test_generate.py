@@ -89,6 +89,47 @@ def test_prompt_in_a_ragged_batch_yields_the_same_tokens_as_alone(params, kv):
     np.testing.assert_array_equal(out[1], generate(params, short[None], kv=kv, max_new_tokens=N)[0])
 
 
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_prefill_in_chunks_of_rows_gives_the_tokens_of_one_pass(params, kv):
+    # 5 ragged rows prefilled 2 at a time (the last chunk, rows 3-4, after rows 0-1 and 2-3:
+    # row 3 is prefilled twice, from empty states, to the same state).
+    rows = [prompt(n, seed=n) for n in (40, 17, 63, 5, 28)]
+    batch = np.zeros((5, 63), np.int32)
+    for b, r in enumerate(rows):
+        batch[b, : len(r)] = r
+    lengths = [len(r) for r in rows]
+    whole = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths)
+    chunked = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths, prefill_rows=2)
+    np.testing.assert_array_equal(chunked, whole)
+
+
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_the_prefill_working_memory_follows_the_rows_not_the_batch(kv):
+    from kivi_jax.generate import Sampling, _prepare
+
+    config = tiny_config(hidden_size=256, intermediate_size=512, max_context=1024)
+    params = kivi_jax.init_params(config, jax.random.key(0))
+
+    def scratch(batch, rows):
+        s = Sampling()
+        toks, lens, cache, r = _prepare(
+            params, np.ones((batch, 500), np.int32), None, kv=kv, max_new_tokens=8, sampling=s,
+            prefill_rows=rows,
+        )  # fmt: skip
+        lowered = _start_jit.lower(
+            params, toks, lens, cache, jax.random.key(0), max_new_tokens=8, sampling=s, rows=r
+        )
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch(16, 2) < 1.01 * scratch(4, 2)  # the [batch, vocab] logits aside
+    assert scratch(16, None) > 3 * scratch(4, None)  # all rows at once: 4x the rows
+
+
+def test_prefill_rows_must_be_positive(params):
+    with pytest.raises(ValueError, match="prefill_rows must be a positive int"):
+        generate(params, prompt(10)[None], max_new_tokens=N, prefill_rows=0)
+
+
 @pytest.mark.parametrize("n", [N, 2 * DECODE_CHUNK + 5])  # the loop's chunks and remainder
 def test_each_sequence_stops_at_its_eos_and_is_padded_with_it(params, n):
     a, b = prompt(30, seed=5), prompt(30, seed=6)
@@ -127,10 +168,10 @@ def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N):
 
     sampling = Sampling()
     ids = np.stack([prompt(prompt_len, seed=b) for b in range(batch)])
-    tokens, lengths, cache = _prepare(
+    tokens, lengths, cache, rows = _prepare(
         params, ids, None, kv=kv, max_new_tokens=new_tokens, sampling=sampling
     )
-    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling)
+    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling, rows=rows)
     state = jax.eval_shape(start, params, tokens, lengths, cache, jax.random.key(0))
     return _decode_jit.lower(params, state, max_new_tokens=new_tokens, sampling=sampling)
 
