@@ -206,8 +206,36 @@ def test_num_layers_gives_one_cache_per_layer():
     # C = max_len rounded up to G = 32: 128 token positions, 2-bit keys packed 4 per byte.
     assert one.k_codes.shape == (2, 3, 32, 64) and one.v_codes.shape == (2, 3, 128, 16)
     assert one.k_scale.shape == (2, 3, 4, 64) and one.v_scale.shape == (2, 3, 128, 2)
-    with pytest.raises(TypeError, match=r"tuple of 4 .* pass one of them, caches\[i\]"):
-        kj.append(caches, jnp.zeros((2, 3, 64)), jnp.zeros((2, 3, 64)))
+
+
+def test_a_tuple_of_caches_or_a_layer_index_is_a_clear_error():
+    # The layers are a tuple of caches: a function of one layer's cache names the mistake, and
+    # the removed `layer=` argument is Python's unexpected keyword, never a silent no-op.
+    caches = _cache(CONFIGS[0], batch=2, heads=2, num_layers=2)
+    k = jnp.zeros((2, 3, 2, 8))
+    calls = [
+        lambda: kj.prefill(caches, k, k),
+        lambda: kj.append(caches, k[:, 0], k[:, 0]),
+        lambda: kj.dequantize(caches),
+        lambda: kj.decode_attention(jnp.zeros((2, 2, 8)), caches),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"tuple of 2 .* pass one of them, caches\[i\]"):
+            call()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        kj.prefill(caches[0], k, k, layer=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        kj.append(caches[0], k[:, 0], k[:, 0], layer=7)
+    assert not hasattr(kj, "layer")
+
+
+@pytest.mark.parametrize("config", [None, CONFIGS[0]])
+def test_keys_and_values_of_another_float_dtype_are_cast_to_the_cache_dtype(rng, config):
+    k, v = random_kv(rng, 1, 9, 1, 8)  # float32 into a bfloat16 cache
+    cache = _cache(config, dtype=jnp.bfloat16)
+    got = kj.prefill(cache, k, v)
+    want = kj.prefill(cache, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    assert tree_equal(got, want) and got.dtype == jnp.bfloat16
 
 
 def test_a_key_group_is_quantized_when_its_last_token_arrives(rng):
