@@ -62,6 +62,13 @@ class _Progress:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     err = sys.stderr
+    from kivi_jax.generate import TokenStream, check_prompt, encode_prompt
+
+    try:
+        check_prompt(args.prompt)  # before anything is loaded
+    except ValueError as e:
+        err.write(f"kivi-generate: error: {e}\n")
+        return 2
     err.write("loading: importing jax...")
     err.flush()
 
@@ -69,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from kivi_jax.generate import TokenStream, encode_prompt
     from kivi_jax.loading import ModelLoadError, load_model
 
     dtype = args.dtype

@@ -367,8 +367,17 @@ class TokenStream:
             yield out
 
 
+def check_prompt(prompt: str) -> None:
+    """Raises unless `prompt` is a str with some text (a chat template would wrap an empty one)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError(f"the prompt is empty: {prompt!r}")
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
     """Prompt text -> ids, through the model's chat template when `chat` and it has one."""
+    check_prompt(prompt)
     if chat and tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(prompt)

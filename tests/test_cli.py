@@ -42,6 +42,16 @@ def test_prompt_beyond_the_context_is_a_clear_error(tiny_gguf, capsys):
     assert "exceeds the model's context of 256 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [[""], ["  \n"], ["", "--no-chat"]])
+def test_an_empty_prompt_is_an_error_before_the_model_loads(argv, monkeypatch, capsys):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kivi_jax.loading.load_model", load_model)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"kivi-generate: error: the prompt is empty: {argv[0]!r}\n"
+
+
 def test_unknown_kv_is_rejected_by_the_parser(tiny_gguf, capsys):
     with pytest.raises(SystemExit) as e:
         main(["hi", "--model", tiny_gguf, "--kv", "kivi3"])

@@ -191,6 +191,9 @@ def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, para
     assert isinstance(text, str)
     raw = generate_text(model, "the theme", kv="kivi2", max_new_tokens=8, chat=False)
     assert isinstance(raw, str)
+    for chat in (True, False):
+        with pytest.raises(ValueError, match="the prompt is empty: ''"):
+            generate_text(model, "", chat=chat)
 
 
 # ---------------------------------------------------------------------------- bad input
