@@ -162,6 +162,21 @@ _decode_jit = jax.jit(
 _step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
 
 
+def _token_array(tokens) -> np.ndarray:
+    """Prompts as one array; a ragged list of prompts is an error that says how to batch it."""
+    if isinstance(tokens, list | tuple):
+        widths = [len(row) for row in tokens if hasattr(row, "__len__")]
+        if len(set(widths)) > 1:
+            raise ValueError(
+                f"tokens is a ragged list of prompts of {widths} tokens: right-pad them to one "
+                f"width (any token id) and pass lengths={widths}"
+            )
+    try:
+        return np.asarray(tokens)
+    except ValueError as e:  # e.g. prompts mixed with bare token ids
+        raise ValueError(f"tokens must be an integer array [batch, seq]: {e}") from None
+
+
 def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, sampling: Sampling):
     """Checks every input before anything runs; returns (tokens, lengths, empty cache)."""
     if not isinstance(params, LlamaParams):
@@ -170,7 +185,7 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
     kv_config = resolve_kv(kv)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    tokens = np.asarray(tokens)
+    tokens = _token_array(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(
             f"tokens must be a non-empty integer array [batch, seq], got {tokens.dtype} "
@@ -248,8 +263,9 @@ def generate(
       int32 [batch, max_new_tokens].
 
     Raises:
-      ValueError: unknown kv, tokens outside the vocabulary, prompt + max_new_tokens beyond the
-        model's context, malformed lengths; all before anything is compiled or run.
+      ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
+        outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
+        lengths; all before anything is compiled or run.
     """
     sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
     tokens, lengths, cache = _prepare(

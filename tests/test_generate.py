@@ -235,6 +235,13 @@ def test_tokens_must_be_a_2d_integer_array(params):
         generate(params, np.zeros((1, 5), np.float32), max_new_tokens=N)
 
 
+def test_a_ragged_list_of_prompts_says_to_pad_and_pass_lengths(params):
+    with pytest.raises(ValueError, match=r"right-pad them to one width .* lengths=\[3, 2\]"):
+        generate(params, [[1, 2, 3], [4, 5]], max_new_tokens=N)
+    with pytest.raises(ValueError, match=r"integer array \[batch, seq\]"):
+        generate(params, [[1, 2, 3], 4], max_new_tokens=N)
+
+
 def test_prompts_of_similar_length_share_one_compiled_loop(params):
     """Prompt widths are padded up to a multiple of 64: 33 and 50 tokens run the same program."""
     before = _start_jit._cache_size(), _decode_jit._cache_size()
