@@ -60,6 +60,13 @@ QUICK = Sizes(
 )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="kivi-eval", description=__doc__.splitlines()[0])
     p.add_argument("study", choices=[*STUDIES, "all"], help="which study to run")
@@ -68,7 +75,7 @@ def parse_args(argv):
     p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
     p.add_argument(
-        "--passkey-lengths", type=int, nargs="+", default=None,
+        "--passkey-lengths", type=_positive_int, nargs="+", default=None,
         help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
     )  # fmt: skip
     return p.parse_args(argv)
@@ -92,6 +99,12 @@ def run(args, log) -> list[pathlib.Path]:
         else (kivi_jax.load_model(dtype=jnp.float32))
     )
     params, tok = model.params, model.tokenizer
+    if "passkey" in studies_to_run:  # before any study runs
+        studies.check_passkey_lengths(
+            sizes.passkey_lengths,
+            max_context=params.config.max_context,
+            new_tokens=studies.PASSKEY_NEW_TOKENS,
+        )
     out = pathlib.Path(args.out)
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
