@@ -1,7 +1,8 @@
 """`kivi-generate "PROMPT"`: answer a prompt with a KIVI (or full-precision) KV cache, streaming.
 
 The answer goes to stdout as it is produced; loading progress and a closing summary (tokens,
-prefill and decode speed, KV-cache bytes against full precision) go to stderr.
+prefill and decode speed, what the KV cache holds and what it allocates against a full-precision
+cache of the same capacity) go to stderr.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _size(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 class _Progress:
@@ -176,16 +177,45 @@ def main(argv: list[str] | None = None) -> int:
     out.flush()
 
     s = stream.stats
-    ratio = s.kv_full_bytes / s.kv_bytes if s.kv_bytes else float("nan")
     err.write(
         f"\n--- {len(ids)} prompt tokens, {s.generated_tokens} generated{stop}"
         f" | prefill {s.prefill_tokens_per_s:.1f} tok/s ({s.prefill_s:.2f}s)"
         f" | decode {s.decode_tokens_per_s:.1f} tok/s"
         f" | load {load_s:.1f}s, compile {s.compile_s:.1f}s\n"
-        f"--- KV cache ({args.kv}, capacity {s.kv_capacity} tokens): "
-        f"{_mib(s.kv_bytes)} vs {_mib(s.kv_full_bytes)} in full precision ({ratio:.2f}x)\n"
+        f"--- {kv_summary(args.kv, s, c, model.params.dtype)}\n"
     )
     return 0
+
+
+def kv_summary(kv: str, stats, model_config, dtype) -> str:
+    """The summary's KV-cache line for one sequence: what the cache holds (tokens, how many are
+    quantized, their bytes: kivi_jax.held_bits) and what it allocates (kivi_jax.memory_report's
+    total against a full-precision cache of the same capacity, the same figure for every kv)."""
+    from kivi_jax.generate import resolve_kv
+    from kivi_jax.memory import held_bits
+
+    config, n = resolve_kv(kv), stats.held_tokens
+    held = held_bits(config, length=n, head_dim=model_config.head_dim, dtype=dtype)
+    per_bit = model_config.num_layers * model_config.num_kv_heads / 8  # every layer and KV head
+    line = f"KV cache ({kv}): {n} tokens held in {_size(held.total_bits * per_bit)}"
+    if config is None:
+        line += ", all in full precision"
+    elif held.quantized_keys == 0:
+        line += (
+            f", none quantized yet: the whole sequence fits the full-precision window of "
+            f"R = {config.residual_length} tokens, so KIVI saves nothing until it is longer"
+        )
+    else:
+        line += (
+            f" ({_size(held.fp_bits * per_bit)} in full precision): keys {held.quantized_keys} "
+            f"quantized + {n - held.quantized_keys} in the full-precision window, values "
+            f"{held.quantized_values} + {n - held.quantized_values}"
+        )
+    return line + (
+        f" | allocated for {stats.kv_capacity} tokens: {_size(stats.kv_bytes)} vs "
+        f"{_size(stats.kv_full_bytes)} for a full-precision cache of the same capacity "
+        f"({stats.kv_bytes / stats.kv_full_bytes:.2f}x its size)"
+    )
 
 
 if __name__ == "__main__":

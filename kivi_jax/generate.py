@@ -287,9 +287,10 @@ class StreamStats:
     compile_s: float = 0.0
     prefill_s: float = 0.0  # prefill + the first token
     decode_s: float = 0.0  # every later token
-    kv_bytes: int = 0
-    kv_full_bytes: int = 0  # the same capacity as an unquantized cache in the params dtype
-    kv_capacity: int = 0  # tokens per sequence the cache can hold
+    kv_bytes: int = 0  # allocated by the cache (memory_report(cache).total_bytes)
+    kv_full_bytes: int = 0  # a full-precision cache of the same capacity (full_precision_bytes)
+    kv_capacity: int = 0  # tokens per sequence the cache can hold (max_len)
+    held_tokens: int = 0  # tokens in the cache now, longest row (not the token just sampled)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -368,6 +369,7 @@ class TokenStream:
         first = np.asarray(state.generated[:, 0])
         self.stats.prefill_s = time.perf_counter() - t0
         self.stats.generated_tokens = 1
+        self.stats.held_tokens = int(np.max(state.positions))
         yield first
         t0 = time.perf_counter()
         done = np.asarray(state.done)
@@ -379,6 +381,7 @@ class TokenStream:
             out = np.asarray(state.generated[:, step])
             done = np.asarray(state.done)
             self.stats.generated_tokens += 1
+            self.stats.held_tokens = int(np.max(state.positions))
             self.stats.decode_s = time.perf_counter() - t0
             yield out
 

@@ -177,10 +177,11 @@ def test_token_stream_yields_what_generate_returns(params):
     )
     s = stream.stats
     assert (s.prompt_tokens, s.generated_tokens) == (25, N)
+    assert s.held_tokens == 25 + N - 1  # the last token sampled is never fed
     assert s.prefill_s > 0 and s.decode_s > 0 and s.compile_s > 0
-    # 37 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
+    # 36 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
     # unquantized cache of this capacity (the residual is a fixed cost that long contexts repay)
-    assert s.kv_bytes > s.kv_full_bytes > 0
+    assert s.kv_capacity == 64 + N and s.kv_bytes > s.kv_full_bytes > 0
 
 
 def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, params):
