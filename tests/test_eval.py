@@ -1,6 +1,8 @@
 """The accuracy studies: the model's attention hook, the invariants on the real model, the CLI."""
 
 import json
+import pathlib
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,19 @@ def test_passkey_length_out_of_range_fails_before_anything_runs(smollm_f32, leng
         studies.passkey_study(
             smollm_f32.params, smollm_f32.tokenizer, lengths=[1024, length], depths=[0.5]
         )
+
+
+def test_cli_replot_redraws_the_plots_from_the_json_files_only(tmp_path, capsys):
+    results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/accuracy"
+    for study in ("ppl", "passkey", "ablate"):  # errors.json: the largest plot, left out for time
+        shutil.copy(results / f"{study}.json", tmp_path)
+    assert cli.main(["replot", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ablate.json", "ablate.png", "passkey.json", "passkey.png", "ppl.json", "ppl.png"
+    ]  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    capsys.readouterr()
+    assert cli.main(["replot", "--out", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"kivi-eval: error: no study results (<study>.json) in {empty}" in err

@@ -1,8 +1,10 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
     kivi-eval ppl|passkey|errors|ablate|all [--out DIR] [--quick] [--text FILE] [--model PATH]
+    kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
+`replot` redraws the plots of DIR from its JSON files (the studies are not re-run).
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ def _positive_int(text: str) -> int:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="kivi-eval", description=__doc__.splitlines()[0])
-    p.add_argument("study", choices=[*STUDIES, "all"], help="which study to run")
+    p.add_argument(
+        "study",
+        choices=[*STUDIES, "all", "replot"],
+        help="which study to run; replot: redraw the plots of --out from its JSON files",
+    )
     p.add_argument("--out", default="eval-results", help="output folder (default: eval-results)")
     p.add_argument("--quick", action="store_true", help="CI-sized runs (minutes, not an hour)")
     p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
@@ -87,6 +93,10 @@ def run(args, log) -> list[pathlib.Path]:
     import kivi_jax
     from kivi_jax.eval import data, report, studies
 
+    if args.study == "replot":
+        written = report.replot(args.out)
+        log(f"replot: {', '.join(str(p) for p in written)}")
+        return written
     sizes = QUICK if args.quick else FULL
     if args.passkey_lengths:
         sizes = dataclasses.replace(sizes, passkey_lengths=tuple(args.passkey_lengths))
