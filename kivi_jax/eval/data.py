@@ -51,7 +51,7 @@ def passkey_prompt(tokenizer, *, length: int, depth: float, rng: np.random.Gener
     """A prompt of about `length` tokens with a random 5-digit key hidden at `depth` in filler.
 
     Raises ValueError when `length` cannot hold the instructions, the key, the question and one
-    filler sentence (a prompt is never silently longer than asked).
+    filler sentence, instead of silently making a longer prompt than asked.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
