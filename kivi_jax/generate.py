@@ -184,6 +184,21 @@ _decode_jit = jax.jit(
 _step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
 
 
+def _token_array(tokens) -> np.ndarray:
+    """Prompts as one array; a ragged list of prompts is an error that says how to batch it."""
+    if isinstance(tokens, list | tuple):
+        widths = [len(row) for row in tokens if hasattr(row, "__len__")]
+        if len(set(widths)) > 1:
+            raise ValueError(
+                f"tokens is a ragged list of prompts of {widths} tokens: right-pad them to one "
+                f"width (any token id) and pass lengths={widths}"
+            )
+    try:
+        return np.asarray(tokens)
+    except ValueError as e:  # e.g. prompts mixed with bare token ids
+        raise ValueError(f"tokens must be an integer array [batch, seq]: {e}") from None
+
+
 def _prepare(
     params: LlamaParams,
     tokens,
@@ -202,7 +217,7 @@ def _prepare(
     kv_config = resolve_kv(kv)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    tokens = np.asarray(tokens)
+    tokens = _token_array(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(
             f"tokens must be a non-empty integer array [batch, seq], got {tokens.dtype} "
@@ -289,8 +304,9 @@ def generate(
       int32 [batch, max_new_tokens].
 
     Raises:
-      ValueError: unknown kv, tokens outside the vocabulary, prompt + max_new_tokens beyond the
-        model's context, malformed lengths; all before anything is compiled or run.
+      ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
+        outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
+        lengths; all before anything is compiled or run.
     """
     sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
     tokens, lengths, cache, rows = _prepare(
@@ -312,9 +328,10 @@ class StreamStats:
     compile_s: float = 0.0
     prefill_s: float = 0.0  # prefill + the first token
     decode_s: float = 0.0  # every later token
-    kv_bytes: int = 0
-    kv_full_bytes: int = 0  # the same capacity as an unquantized cache in the params dtype
-    kv_capacity: int = 0  # tokens per sequence the cache can hold
+    kv_bytes: int = 0  # allocated by the cache (memory_report(cache).total_bytes)
+    kv_full_bytes: int = 0  # a full-precision cache of the same capacity (full_precision_bytes)
+    kv_capacity: int = 0  # tokens per sequence the cache can hold (max_len)
+    held_tokens: int = 0  # tokens in the cache now, longest row (not the token just sampled)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -396,6 +413,7 @@ class TokenStream:
         first = np.asarray(state.generated[:, 0])
         self.stats.prefill_s = time.perf_counter() - t0
         self.stats.generated_tokens = 1
+        self.stats.held_tokens = int(np.max(state.positions))
         yield first
         t0 = time.perf_counter()
         done = np.asarray(state.done)
@@ -407,12 +425,22 @@ class TokenStream:
             out = np.asarray(state.generated[:, step])
             done = np.asarray(state.done)
             self.stats.generated_tokens += 1
+            self.stats.held_tokens = int(np.max(state.positions))
             self.stats.decode_s = time.perf_counter() - t0
             yield out
 
 
+def check_prompt(prompt: str) -> None:
+    """Raises unless `prompt` is a str with some text (a chat template would wrap an empty one)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError(f"the prompt is empty: {prompt!r}")
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
     """Prompt text -> ids, through the model's chat template when `chat` and it has one."""
+    check_prompt(prompt)
     if chat and tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(prompt)

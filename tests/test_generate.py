@@ -218,10 +218,11 @@ def test_token_stream_yields_what_generate_returns(params):
     )
     s = stream.stats
     assert (s.prompt_tokens, s.generated_tokens) == (25, N)
+    assert s.held_tokens == 25 + N - 1  # the last token sampled is never fed
     assert s.prefill_s > 0 and s.decode_s > 0 and s.compile_s > 0
-    # 37 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
+    # 36 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
     # unquantized cache of this capacity (the residual is a fixed cost that long contexts repay)
-    assert s.kv_bytes > s.kv_full_bytes > 0
+    assert s.kv_capacity == 64 + N and s.kv_bytes > s.kv_full_bytes > 0
 
 
 def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, params):
@@ -232,6 +233,9 @@ def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, para
     assert isinstance(text, str)
     raw = generate_text(model, "the theme", kv="kivi2", max_new_tokens=8, chat=False)
     assert isinstance(raw, str)
+    for chat in (True, False):
+        with pytest.raises(ValueError, match="the prompt is empty: ''"):
+            generate_text(model, "", chat=chat)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -271,6 +275,13 @@ def test_tokens_must_be_a_2d_integer_array(params):
         generate(params, prompt(10), max_new_tokens=N)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         generate(params, np.zeros((1, 5), np.float32), max_new_tokens=N)
+
+
+def test_a_ragged_list_of_prompts_says_to_pad_and_pass_lengths(params):
+    with pytest.raises(ValueError, match=r"right-pad them to one width .* lengths=\[3, 2\]"):
+        generate(params, [[1, 2, 3], [4, 5]], max_new_tokens=N)
+    with pytest.raises(ValueError, match=r"integer array \[batch, seq\]"):
+        generate(params, [[1, 2, 3], 4], max_new_tokens=N)
 
 
 def test_prompts_of_similar_length_share_one_compiled_loop(params):
