@@ -16,7 +16,10 @@ A Llama model threads that state through a jit-compiled decode loop:
     text = kivi_jax.generate_text(model, "What is KIVI?", kv="kivi2")
 """
 
+import tomllib as _tomllib
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from pathlib import Path as _Path
 
 from kivi_jax.attention import decode_attention, decode_attention_reference
 from kivi_jax.cache import (
@@ -35,7 +38,12 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
 from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
 
-__version__ = _version("kivi-jax")  # the installed distribution's, set in pyproject.toml
+try:
+    __version__ = _version("kivi-jax")  # the installed distribution's, set in pyproject.toml
+except PackageNotFoundError:  # a source checkout on sys.path (as the GPU scripts run it)
+    __version__ = _tomllib.loads((_Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"
+    ]["version"]
 
 __all__ = [
     "KIVI2",
