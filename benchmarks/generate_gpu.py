@@ -204,28 +204,34 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     programs, compile_s = counter.programs - programs0, counter.seconds - compile0
     _log(f"first call ({programs} programs, {compile_s:.0f} s compiling)", t_row)
 
-    def one_run():
-        """generate's two programs, a pause between them (the trace tells them apart)."""
+    def one_run(trace_dir: str) -> float:
+        """generate's two programs, traced, a pause between them (the trace tells them apart);
+        the state is allocated before the trace starts (at a large batch the host's work
+        before the prefill can leave a gap as long as the pause). Returns the host seconds."""
         toks, lengths, cache, rows = _prepare(
             params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling
         )
         jax.block_until_ready(cache)
         kw = dict(max_new_tokens=row.new_tokens, sampling=sampling)
+        jax.profiler.start_trace(trace_dir)
+        t0 = time.perf_counter()
         state = _start_jit(params, toks, lengths, cache, jax.random.key(0), **kw, rows=rows)
         jax.block_until_ready(state)
         time.sleep(PAUSE_S)
         jax.block_until_ready(_decode_jit(params, state, **kw))
-        time.sleep(PAUSE_S)
-
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        host = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            one_run()
-            host.append(time.perf_counter() - t0)
+        host = time.perf_counter() - t0
         jax.profiler.stop_trace()
-        runs = split_runs(gpu_kernels(d), gap_ms=PAUSE_S * 1e3 / 2)
+        return host
+
+    host, runs = [], []
+    for _ in range(repeats):  # one trace per run: the decode program after the last pause
+        with tempfile.TemporaryDirectory() as d:
+            host.append(one_run(d))
+            traced = split_runs(gpu_kernels(d), gap_ms=PAUSE_S * 1e3 / 2)
+        if len(traced) == 1:
+            raise RuntimeError("the trace holds one run: the pause between the programs is missing")
+        if traced:  # the prefill: everything before (a host gap may split it)
+            runs += [[e for r in traced[:-1] for e in r], traced[-1]]
     _log("traced runs", t_row)
     steps = row.new_tokens - 1
     if runs:
@@ -239,7 +245,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         idle_ms = (span(decode_run) - sum(t for _, t in totals.values())) / steps * 1e3
         timing = "gpu"
     else:  # no GPU trace (a CPU check of the script): host time of both programs
-        decode_s = statistics.median(host) - 2 * PAUSE_S
+        decode_s = statistics.median(host) - PAUSE_S
         prefill_s, totals, timing = float("nan"), {}, "host"
         idle_ms = float("nan")
     per_step = {n: (k / steps, t / steps * 1e3) for n, (k, t) in totals.items()}
