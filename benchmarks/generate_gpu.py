@@ -455,6 +455,13 @@ def max_batch(args) -> None:
 def merge(args) -> None:
     calls, rows, searches, tries = {}, [], [], []
     for d in args.dirs:
+        if d.suffix == ".json":  # an earlier merged result: its calls are kept as they are
+            earlier = json.loads(d.read_text())
+            calls |= earlier["calls"]
+            rows += earlier["rows"]
+            searches += earlier["max_batch"]
+            tries += earlier["max_batch_tries"]
+            continue
         for p in sorted(d.glob("call_*.json")):
             c = json.loads(p.read_text())
             calls[c["call"]] = c
@@ -557,20 +564,30 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += [
             "",
             "Largest batch at a memory budget (`generate_gpu.py max-batch`: the allocator capped "
-            "at the budget; `batch` ran, `failed` did not; memory of the batch that ran, GB):",
+            "at the budget; `batch` ran, `failed` did not; memory of the batch that ran, GB; "
+            "below the table, why the failed batch failed):",
             "",
             "| model | kv | budget GB | prompt + new | batch | failed | tokens/s | peak | weights "
             "| cache | working | call |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        failures = []
         for m in result["max_batch"]:
-            f = lambda k, m=m: f"{m[k]:.1f}" if isinstance(m.get(k), float) else ""
+
+            def f(k, fmt=".1f", m=m):
+                return format(m[k], fmt) if isinstance(m.get(k), float) else "-"
+
             lines.append(
                 f"| {m['model']} | {m['kv']} | {m['budget_gb']:.0f} | {m['prompt']} + "
-                f"{m['new_tokens']} | {m['batch']} | {m['failed_batch']} | "
-                f"{m.get('tokens_per_s', 0):.0f} | {f('peak_gb')} | {f('weights_gb')} | "
+                f"{m['new_tokens']} | {m['batch'] or 'none ran'} | {m['failed_batch'] or '-'} | "
+                f"{f('tokens_per_s', '.0f')} | {f('peak_gb')} | {f('weights_gb')} | "
                 f"{f('cache_gb')} | {f('working_gb')} | {m['call']} |"
             )
+            if m.get("failed_error"):
+                failures.append(
+                    f"- {m['model']} {m['kv']} batch {m['failed_batch']}: {m['failed_error']}"
+                )
+        lines += ["", *failures]
     lines += ["", "The largest kernels of each row (ms per step, launches):", ""]
     for r in result["rows"]:
         if "kernels_per_step" not in r:
@@ -665,7 +682,7 @@ def main(argv=None) -> None:
     r.add_argument("--json", type=Path, required=True)
     sub.add_parser("describe", help="print the device, versions and read bandwidths as JSON")
     m = sub.add_parser("merge", help="row files -> generate_gpu.json, .md, .png")
-    m.add_argument("dirs", type=Path, nargs="+")
+    m.add_argument("dirs", type=Path, nargs="+", help="call folders, or earlier generate_gpu.json")
     m.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.cmd == "group":
