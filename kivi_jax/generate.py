@@ -169,7 +169,10 @@ def _decode(params, state: SamplingState, *, max_new_tokens: int, sampling: Samp
     def live(s: SamplingState):
         return (s.step < 1 + chunks * DECODE_CHUNK) & ~jnp.all(s.done)
 
-    state = jax.lax.while_loop(live, functools.partial(run, DECODE_CHUNK), state)
+    # Without a chunk the while loop is left out: it would compile a copy of the step of its own
+    # (on the CPU most of a short generate's compile time).
+    if chunks:
+        state = jax.lax.while_loop(live, functools.partial(run, DECODE_CHUNK), state)
     # Returning the whole state lets XLA alias it to the donated input: the loop updates the
     # cache in place.
     return run(tail, state)

@@ -162,11 +162,11 @@ def test_bfloat16_params_generate_with_a_bfloat16_cache(params):
     assert out.shape == (1, N)
 
 
-def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N):
+def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N, eos_id=None):
     """generate's compiled decode loop for these shapes (its prefill program's output as input)."""
     from kivi_jax.generate import Sampling, _prepare, _start
 
-    sampling = Sampling()
+    sampling = Sampling(eos_id=eos_id)
     ids = np.stack([prompt(prompt_len, seed=b) for b in range(batch)])
     tokens, lengths, cache, rows = _prepare(
         params, ids, None, kv=kv, max_new_tokens=new_tokens, sampling=sampling
@@ -182,6 +182,20 @@ def test_the_decode_loop_is_one_program_that_updates_the_state_in_place(params):
     assert hlo.count("stablehlo.while") >= 1
     # the donated state is aliased to an output, so the loop updates it in place
     assert "tf.aliasing_output" in hlo
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "loops"),
+    [(DECODE_CHUNK, 1), (2 * DECODE_CHUNK + 1, 2), (2 * DECODE_CHUNK + 5, 3)],
+)
+def test_with_an_eos_the_decode_program_holds_only_loops_that_run(params, new_tokens, loops):
+    # chunks of DECODE_CHUNK steps under a while loop (a loop in a loop), then the remainder;
+    # each loop compiles its own copy of the step, so a loop of no steps is left out. Counted
+    # against the program without an EOS (one loop of every step).
+    whiles = lambda **kw: _decode_program(params, "kivi2", new_tokens=new_tokens, **kw).as_text()
+    assert whiles(eos_id=0).count("stablehlo.while") == (
+        whiles().count("stablehlo.while") - 1 + loops
+    )
 
 
 @pytest.mark.parametrize("kv", ["full", "kivi2"])
