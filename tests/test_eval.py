@@ -115,9 +115,17 @@ def test_error_analysis_on_the_real_model_reproduces_the_papers_observations(smo
 # ----------------------------------------------------------------------------- the CLI
 
 
-def test_cli_quick_errors_writes_json_markdown_and_plot(tmp_path, default_gguf):
+def test_cli_quick_errors_writes_json_markdown_and_plot(
+    tmp_path, default_gguf, smollm_f32, monkeypatch
+):
+    # The CLI loads the model in float32: it gets the session's float32 load of the same file
+    # (loading itself is tested in test_loading.py and test_hf_reference.py).
+    loads = []
+    load = lambda path, *, dtype: loads.append((path, dtype)) or smollm_f32
+    monkeypatch.setattr(kj, "load_model", load)
     out = tmp_path / "results"
     assert cli.main(["errors", "--quick", "--out", str(out), "--model", default_gguf]) == 0
+    assert loads == [(default_gguf, jnp.float32)]
     for ext in ("json", "md", "png"):
         assert (out / f"errors.{ext}").stat().st_size > 0
     result = json.loads((out / "errors.json").read_text())
