@@ -72,13 +72,25 @@ def test_fp_retrieves_the_key_at_1k_and_kivi_with_r_covering_everything_answers_
     assert kivi == fp
 
 
-def test_kivi_with_r_covering_the_text_has_the_fp_perplexity(smollm_f32, prose):
+def test_kivi_with_r_covering_the_windows_has_the_fp_perplexity():
+    """R = 64 >= every 64-token window: nothing is ever quantized, so the perplexity is the
+    full-precision one exactly; with R = 32 the window's older keys and values are quantized.
+    (Mechanics: the tiny model; the real model's perplexity below.)"""
+    params = tiny_params(tie_embeddings=False)
+    ids = np.random.default_rng(2).integers(3, params.config.vocab_size, 3 * 64)
+    chunks = studies.windows(ids, 64)
+    fp = studies.perplexity(params, chunks, views.FullAttention())
+    config = lambda r: kj.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=r)
+    kivi = studies.perplexity(params, chunks, views.StreamingAttention(config(64)))
+    assert kivi["ppl"] == fp["ppl"]
+    short = studies.perplexity(params, chunks, views.StreamingAttention(config(32)))
+    assert short["ppl"] != fp["ppl"]
+
+
+def test_kivi2_raises_the_real_models_perplexity(smollm_f32, prose):
     ids, _ = prose
     chunks = studies.windows(ids, 256)
     fp = studies.perplexity(smollm_f32.params, chunks, views.FullAttention())
-    covering = kj.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=256)
-    kivi = studies.perplexity(smollm_f32.params, chunks, views.StreamingAttention(covering))
-    assert kivi["ppl"] == fp["ppl"]  # R = 256 >= every window: nothing is ever quantized
     kivi2 = studies.perplexity(smollm_f32.params, chunks, views.StreamingAttention(kj.KIVI2))
     assert kivi2["ppl"] > fp["ppl"]
 
@@ -103,9 +115,17 @@ def test_error_analysis_on_the_real_model_reproduces_the_papers_observations(smo
 # ----------------------------------------------------------------------------- the CLI
 
 
-def test_cli_quick_errors_writes_json_markdown_and_plot(tmp_path, default_gguf):
+def test_cli_quick_errors_writes_json_markdown_and_plot(
+    tmp_path, default_gguf, smollm_f32, monkeypatch
+):
+    # The CLI loads the model in float32: it gets the session's float32 load of the same file
+    # (loading itself is tested in test_loading.py and test_hf_reference.py).
+    loads = []
+    load = lambda path, *, dtype: loads.append((path, dtype)) or smollm_f32
+    monkeypatch.setattr(kj, "load_model", load)
     out = tmp_path / "results"
     assert cli.main(["errors", "--quick", "--out", str(out), "--model", default_gguf]) == 0
+    assert loads == [(default_gguf, jnp.float32)]
     for ext in ("json", "md", "png"):
         assert (out / f"errors.{ext}").stat().st_size > 0
     result = json.loads((out / "errors.json").read_text())

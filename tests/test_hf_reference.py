@@ -64,11 +64,11 @@ def test_default_model_loads_in_bfloat16_with_chat_template(default_gguf):
     )
 
 
-def test_tokenizer_and_chat_template_match_transformers(default_gguf):
+def test_tokenizer_and_chat_template_match_transformers(smollm_f32, default_gguf):
     transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
     directory, name = os.path.split(default_gguf)
     theirs = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    ours = kivi_jax.load_model(default_gguf, dtype=jnp.float32).tokenizer
+    ours = smollm_f32.tokenizer  # the session's load of the same file
     messages = [{"role": "user", "content": "Écris 12345 mots, s'il te plaît!\n\tOK?"}]
     rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(messages) == rendered
