@@ -37,7 +37,6 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     key_scores,
-    quantize_query,
     score_tiles,
     weighted_values,
 )
@@ -303,25 +302,19 @@ def bench_shape(
     return row
 
 
-KERNEL_COLUMNS = ("query_kernel_us", "score_kernel_us", "value_kernel_us")
+KERNEL_COLUMNS = ("score_kernel_us", "value_kernel_us")
 # The kernels of `kernel_steps` that read logits: their steps take (state, random_logits(...)[i]).
 LOGIT_KERNELS = ("value_kernel_us",)
 
 
 def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     """{column of KERNEL_COLUMNS: step} for each kernel the tuning's step runs, alone, in the
-    order the step runs them: the query kernel (only where `score_folds_query` is False) and
-    the score kernel (which then runs the query kernel first) as step(q, state), and the value
+    order the step runs them: the score kernel as step(q, state), and the value
     kernel (with the residual tail) on random logits of the same shape (its cost does not
     depend on the values) as step(q, (state, (logits, block_max)))."""
     kw = dict(group_size=GROUP, interpret=False)
     q_scale = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
     split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
-
-    def query(q, state):
-        qs = split(q).astype(jnp.float32) * q_scale
-        return quantize_query(qs, state["k_scale"], state["k_zero"], tuning=tuning,
-                              interpret=False)[1]  # fmt: skip
 
     def scores(q, state):
         return key_scores(split(q), state["k_codes"], state["k_scale"], state["k_zero"],
@@ -335,8 +328,7 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
                                q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
                                tuning=tuning, **kw)[1]  # fmt: skip
 
-    steps = {"score_kernel_us": scores, "value_kernel_us": values}
-    return steps if tuning.score_folds_query else {"query_kernel_us": query, **steps}
+    return {"score_kernel_us": scores, "value_kernel_us": values}
 
 
 def random_logits(key, s: Shape, n: int) -> list:
@@ -380,17 +372,6 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     return out
 
 
-# The default tiles of the fourth round (2026-11-30, before one-warp value programs and
-# prefetch 1; docs/history.md, R4).
-PREVIOUS_DEFAULT = GpuTuning(
-    score_slices=4,
-    value_quads=32,
-    value_warps=4,
-    prefetch=2,
-    score_folds_query=False,
-    target_programs=4 * 132,
-    score_stages=1,
-)
 # Tunings timed by --sweep (8x32k, --sweep-model, --sweep-bits); the first is the default.
 # After the twelfth round: the default (with MHA Triton's pipeliner, 3 stages; with GQA the
 # register prefetch) against the score kernel's register prefetch, 2 and 4 stages, and the
@@ -408,7 +389,6 @@ SWEEP = [
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {
-    "kivi_query": "query_kernel_us",
     "kivi_scores": "score_kernel_us",
     "kivi_values": "value_kernel_us",
 }
@@ -529,12 +509,10 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
             "## The kernels alone (default tuning)",
             "",
-            "Where the score kernel does not fold the query, its time includes the query "
-            "kernel it runs first; where it does, no query kernel is timed. GPU time "
-            "(host time where the record's `timing` says so).",
+            "GPU time (host time where the record's `timing` says so).",
             "",
-            "| shape | bits | query kernel µs | score kernel µs | value kernel µs |",
-            "|---|---:|---:|---:|---:|",
+            "| shape | bits | score kernel µs | value kernel µs |",
+            "|---|---:|---:|---:|",
         ]
         for r in result["kernels"]:
             alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in KERNEL_COLUMNS)
@@ -552,10 +530,10 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
         ]
         lines.append(
-            "| shape | bits | tuning | µs | % of peak | query kernel µs | score kernel µs "
+            "| shape | bits | tuning | µs | % of peak | score kernel µs "
             "| value kernel µs | other kernels µs | idle µs |"
         )
-        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
             changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"

@@ -4,9 +4,7 @@ arithmetic only (H200 or any CUDA GPU).
 The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
 through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live, ring)``. This script times
 each kernel alone at one shape four ways, by swapping that function while the kernel is traced
-(the query kernel, which has no loop, is timed once and runs only with
-``score_folds_query=False``; the value kernel's short loop over its share of the residual tail
-is swapped too):
+(the value kernel's short loop over its share of the residual tail is swapped too):
 
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
@@ -57,8 +55,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import attention as bench  # the shapes and random states
 from timing import interleaved
 
-NO_LOOP = ("query",)  # kernels without a main loop to vary: timed `full` only
-
 
 def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
     """The kernel's loop and loads as shipped (issued ahead in registers, or, in a plain loop of
@@ -86,9 +82,9 @@ def _loads_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
 
 
 def _words_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
-    """As `_loads_only_loop`, keeping only the loads of int32 arrays (the code words; with
-    `score_folds_query` False also the query kernel's words): the others go unused, and the
-    compiler drops them. The caller's early loads (`ring`) stay where the caller issued them."""
+    """As `_loads_only_loop`, keeping only the loads of int32 arrays (the code words): the
+    others go unused, and the compiler drops them. The caller's early loads (`ring`) stay
+    where the caller issued them."""
     words = lambda tile: [x for x in jax.tree.leaves(tile) if x.dtype == jnp.int32]
     ring = None if ring is None else tuple(words(tile) for tile in ring)
     return _loads_only_loop(n_tiles, depth, lambda k: words(load(k)), compute, carry, live, ring)
@@ -165,9 +161,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     for variant in VARIANTS:
         kernels = bench.kernel_runs(s, bits, tuning, qs, states, logits)
         for name, (fn, args) in kernels.items():
-            kernel = name.removesuffix("_kernel_us")  # "query", "score" or "value"
-            if kernel in NO_LOOP and variant != "full":
-                continue
+            kernel = name.removesuffix("_kernel_us")  # "score" or "value"
             try:
                 with _loop(variant):  # the variant is fixed when the kernel is traced
                     runs[kernel, variant] = (fn.lower(*args).compile(), args)
@@ -180,7 +174,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     out = []
     for (kernel, variant), v in timed.items():
         rec = {"shape": s.name, "bits": bits, "kernel": kernel, "variant": variant,
-               "bytes": kernel_bytes(s, bits, kernel, tuning.score_folds_query),
+               "bytes": kernel_bytes(s, bits, kernel),
                "code_bytes": code_bytes(s, bits),
                "sm_clock_mhz": mhz,
                "timing": timing}  # fmt: skip
@@ -199,23 +193,14 @@ def code_bytes(s: bench.Shape, bits: int) -> int:
     return s.batch * s.kv_heads * s.context * s.head_dim * bits // 8
 
 
-def kernel_bytes(s: bench.Shape, bits: int, kernel: str, folds_query: bool) -> int:
-    """Bytes a kernel moves. Query kernel: reads the bf16 key scales and zero points, writes
-    the query's int16 words per group and query head; score kernel: the codes and the scales and
-    zero points where it folds the query itself (folds_query), else (timed with the query
-    kernel it runs first) the query kernel's bytes, then the codes and the parts again; value
-    kernel: codes, bf16 scales and zero points, the float32 logits of every query head, and
-    the bf16 residual keys and values (the tail)."""
+def kernel_bytes(s: bench.Shape, bits: int, kernel: str) -> int:
+    """Bytes a kernel reads. Score kernel: the codes and the bf16 key scales and zero points;
+    value kernel: codes, bf16 scales and zero points, the float32 logits of every query head,
+    and the bf16 residual keys and values (the tail)."""
     bh, c, d, n_rep = s.batch * s.kv_heads, s.context, s.head_dim, s.q_heads // s.kv_heads
     params = 2 * 2 * c * d // bench.GROUP
-    parts = n_rep * 2 * c * d // bench.GROUP  # the query's int16 per group channel: 2 bytes
-    per_kernel = {
-        "query": params + parts,
-        "score": params if folds_query else params + parts + parts,
-        "value": params + 4 * c * n_rep + 2 * 2 * bench.RESIDUAL * d,
-    }
-    codes = 0 if kernel == "query" else code_bytes(s, bits)
-    return codes + bh * per_kernel[kernel]
+    per_kernel = {"score": params, "value": params + 4 * c * n_rep + 2 * 2 * bench.RESIDUAL * d}
+    return code_bytes(s, bits) + bh * per_kernel[kernel]
 
 
 def write_markdown(result: dict, path: Path) -> None:
@@ -227,9 +212,6 @@ def write_markdown(result: dict, path: Path) -> None:
         "its arithmetic only (`arith`: tile 0 loaded once). Per call, median of "
         f"{result['repeats']} runs of {result['calls']} calls inside one jit; SM clock = median",
         f"of nvidia-smi samples during that timing. Tuning: {result['tuning']}.",
-        "Without the fold (`score_folds_query` False) the score kernel's times include the",
-        "query kernel it runs first (timed alone in its own row, `full` only; MB = its reads and",
-        "writes).",
         "",
         "| shape | bits | kernel | MB read | full µs | loads µs | loads GB/s | arith µs "
         "| words µs | words GB/s | full / max(loads, arith) | SM MHz |",
@@ -240,8 +222,7 @@ def write_markdown(result: dict, path: Path) -> None:
         by.setdefault((r["shape"], r["bits"], r["kernel"]), {})[r["variant"]] = r
     for (shape, bits, kernel), v in by.items():
         us = {k: v[k].get("us") if k in v else None for k in VARIANTS}
-        missing = "" if kernel in NO_LOOP else "failed"
-        fmt = lambda x, missing=missing: f"{x:.1f}" if x is not None else missing
+        fmt = lambda x: f"{x:.1f}" if x is not None else "failed"
         ratio = (
             f"{us['full'] / max(us['loads'], us['arith']):.2f}"
             if None not in (us["full"], us["loads"], us["arith"])

@@ -2,10 +2,8 @@
 
 Nsight Compute (``ncu``) reads the hardware counters of every kernel it is told to profile;
 this script only provides the launches: for each shape and bit width it runs the score kernel
-(which runs the query kernel first where ``score_folds_query`` is False, the query kernel
-also being launched on its own then), and the value kernel (on random logits)
-twice (the first launch compiles and warms up; ``kernel_profile_summary.py`` lists every
-launch, so the later of each pair is the warm one).
+and the value kernel (on random logits) twice (the first launch compiles and warms up;
+``kernel_profile_summary.py`` lists every launch, so the later of each pair is the warm one).
 
     bash benchmarks/kernel_profile.sh OUT_DIR
 

@@ -15,7 +15,7 @@ ncu --clock-control none --kernel-name regex:kivi --set full --import-source no 
 ncu --import "$out/profile.ncu-rep" --page details > "$out/details.txt"
 ncu --import "$out/profile.ncu-rep" --page raw --csv > "$out/raw.csv"
 # Per-instruction SASS with stall samples, one file per kernel name (every launch of it).
-for k in kivi_query kivi_scores kivi_values; do
+for k in kivi_scores kivi_values; do
   ncu --import "$out/profile.ncu-rep" --page source --csv --print-source sass \
     --kernel-name "$k" > "$out/source_$k.csv" 2>> "$out/source.log" || true
 done

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from attention import PREVIOUS_DEFAULT  # benchmarks/ is on sys.path when this runs as a script
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     kivi_decode_attention_gpu,
@@ -36,21 +35,18 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tiles
 
-CONFIGS = [  # (tuning, bits, n_rep): the default, the eleventh round's (the score kernel's
-    # register prefetch) and the fourth round's (all timed on the H200)
+CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
+    # register prefetch), both timed on the H200
     (GpuTuning(), 2, 1),
     (GpuTuning(), 4, 1),
     (GpuTuning(score_stages=1), 2, 1),
     (GpuTuning(score_stages=1), 4, 1),
-    (PREVIOUS_DEFAULT, 2, 1),
-    (PREVIOUS_DEFAULT, 4, 1),
 ]
 
 
 def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
-    """{"query": ..., "score": ..., "value": ...}: the kernels' Triton modules as
-    text, captured during lowering for CUDA (in the order the step runs them; no "query" where
-    the score kernel folds the query itself)."""
+    """{"score": ..., "value": ...}: the kernels' Triton modules as text, captured during
+    lowering for CUDA."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     triton_stages.install()  # first, so that the captured modules carry their loops' stages
@@ -87,8 +83,7 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
     finally:
         lowering.lower_jaxpr_to_triton_module = original
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    names = ("score", "value") if tuning.score_folds_query else ("query", "score", "value")
-    return dict(zip(names, (str(c.module) for c in captured), strict=True))
+    return dict(zip(("score", "value"), (str(c.module) for c in captured), strict=True))
 
 
 def hot_loop(sass: str) -> list[str]:
@@ -190,25 +185,6 @@ def analyse(
     return out
 
 
-def query_kernel(tuning: GpuTuning, workdir: Path, *, D=128, G=32, C=32768) -> dict:
-    """The query kernel (no loop): registers, instructions per thread in all, per key group and
-    channel it handles (one query head), barriers and shared-memory loads."""
-    groups = min(tuning.query_program_groups, C // G)
-    ttir = triton_ir(dataclasses.replace(tuning, score_folds_query=False), D=D, C=C, G=G)["query"]
-    info, sass = compile_sass(ttir, tuning.query_warps, 1, workdir)
-    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
-    ops = collections.Counter(opcode(re.sub(r"^@!?U?P\w+\s+", "", t)) for t in ins)
-    per_thread = groups * D / (tuning.query_warps * 32)  # group channels per thread
-    return {
-        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-        "instructions": len(ins),
-        "per_group_channel": len(ins) / per_thread,
-        "barriers": ops["BAR"],
-        "shared_loads": ops["LDS"],
-        "top": ops.most_common(10),
-    }
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sass.md"))
@@ -228,8 +204,6 @@ def main(argv=None):
             for r in analyse(tuning, bits, n_rep, Path(tmp)):
                 rows.append(r)
                 print(r, flush=True)
-        query = query_kernel(GpuTuning(), Path(tmp))
-        print(query, flush=True)
     default = dataclasses.asdict(GpuTuning())
     lines = [
         "# Main loops of the score and value kernels in SASS (sm_90a; D=128, G=32, bf16)",
@@ -259,17 +233,6 @@ def main(argv=None):
             f"{r['barriers']} | {r['shared_round_trips']} | {span} | {r['async_copies']} | "
             f"{r['shared_loads']} | {top} |"
         )
-    lines += [
-        "",
-        "## The query kernel (`score_folds_query=False`, one query head, no loop)",
-        "",
-        f"{query['registers']} registers; {query['instructions']} instructions per thread in all, "
-        f"{query['per_group_channel']:.1f} per key group and channel it handles; "
-        f"{query['barriers']} barriers and {query['shared_loads']} shared-memory loads (its "
-        "reductions across warps). Most frequent: "
-        + ", ".join(f"{op} {c}" for op, c in query["top"])
-        + ".",
-    ]
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 

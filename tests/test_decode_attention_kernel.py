@@ -44,6 +44,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _dp2a,
     _dp4a,
     _field_mask,
+    _fold_query,
     _int8_parts,
     _int8_unit,
     _join_parts,
@@ -51,7 +52,6 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _pack_bytes,
     _parts_unit,
     _words,
-    quantize_query,
     weighted_values,
 )
 
@@ -147,30 +147,32 @@ def test_int8_parts_reconstruct_within_their_bound(rng, n, bound):
     assert not any(np.asarray(p).any() for p in tiny)
 
 
-def test_query_words_reconstruct_the_folded_query(rng):
-    """quantize_query: coef * y is within max_d |q_d s_gd| / 65534 of q_d s_gd in every group
-    and query head (y int16: channels 4w, 4w + 1 in the halves of word w of the first set of
-    words, 4w + 2, 4w + 3 in the second), bias is sum_d q_d z_gd, and a group of zero scales
-    gives zero words."""
-    B, H, n_rep, NG, D = 2, 2, 3, 16, 64
-    qs = rng.normal(size=(B, H, n_rep, D)).astype(np.float32) * 3.0
-    scale = np.abs(rng.normal(size=(B, H, NG, D))).astype(np.float32)
-    scale[0, 1, 5] = 0.0  # a group whose keys are all equal
-    zero = rng.normal(size=(B, H, NG, D)).astype(np.float32)
+def test_folded_query_words_reconstruct_the_folded_query(rng):
+    """_fold_query (the score kernel's fold of the query into key groups): coef * y is within
+    max_d |q_d s_gd| / 65534 of q_d s_gd in every group (y int16: channels 4w, 4w + 1 in the
+    halves of word w of the first set of words, 4w + 2, 4w + 3 in the second), bias is
+    sum_d q_d z_gd, and a group of zero scales gives zero words."""
+    NG, D = 16, 64
+    qs = rng.normal(size=(D,)).astype(np.float32) * 3.0
+    scale = np.abs(rng.normal(size=(NG, D))).astype(np.float32)
+    scale[5] = 0.0  # a group whose keys are all equal
+    zero = rng.normal(size=(NG, D)).astype(np.float32)
     sc, ze = jnp.asarray(scale, jnp.bfloat16), jnp.asarray(zero, jnp.bfloat16)
-    tuning = GpuTuning(query_program_groups=4)
-    q8, cb = quantize_query(jnp.asarray(qs), sc, ze, tuning=tuning, interpret=True)
-    halves = np.asarray(q8).view(np.int16).reshape(B, H, n_rep, NG, 2, D // 4, 2)
-    y = halves.transpose(0, 1, 2, 3, 5, 4, 6).reshape(B, H, n_rep, NG, D).astype(np.float64)
-    coef, bias = np.asarray(cb[:, :, :, 0]), np.asarray(cb[:, :, :, 1])
-    folded = qs[:, :, :, None, :] * np.asarray(sc, np.float32)[:, :, None]  # [.., NG, D]
-    rebuilt = coef[..., None] * y
+    words, coef, bias = _fold_query(
+        [jnp.asarray(qs).reshape(1, D // 4, 4)],
+        [sc.reshape(NG, D // 4, 4)],
+        [ze.reshape(NG, D // 4, 4)],
+    )
+    halves = [np.asarray(words[h][0]).view(np.int16).reshape(NG, D // 4, 2) for h in range(2)]
+    y = np.concatenate(halves, axis=-1).reshape(NG, D).astype(np.float64)
+    folded = qs[None, :] * np.asarray(sc, np.float32)  # [NG, D]
+    rebuilt = np.asarray(coef)[:, None] * y
     bound = np.abs(folded).max(axis=-1, keepdims=True) / 65534
     assert np.all(np.abs(rebuilt - folded) <= bound * 1.01 + 1e-30)
     assert np.abs(y).max() <= 32767
-    assert not y[0, 1, :, 5].any()
+    assert not y[5].any()
     z = np.asarray(ze, np.float32)
-    np.testing.assert_allclose(bias, np.einsum("bhrd,bhgd->bhrg", qs, z), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(bias), z @ qs, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("interleave", "prefetch"), [(True, 1), (False, 1), (True, 3), (False, 3)])
@@ -372,28 +374,6 @@ def test_kernel_variants_interpret(rng, tuning):
     _check(q, cache, interpret=True, tuning=tuning)
 
 
-@pytest.mark.parametrize(("k_bits", "n_rep", "dtype"), [(2, 2, jnp.bfloat16), (4, 3, jnp.float16)])
-def test_score_kernel_folds_the_query_as_the_query_kernel_does_interpret(rng, k_bits, n_rep, dtype):
-    """score_folds_query=True (the score kernel forms the query's int16 words itself) gives the
-    output of the query kernel's path to within float32 summation order, and passes _check."""
-    q, cache = _case(
-        rng, k_bits=k_bits, v_bits=2, D=64, n_rep=n_rep, dtype=dtype, H=2, max_len=384,
-        prompts=[381, 250], steps=3, R=64,
-    )  # fmt: skip
-    outs = [
-        np.asarray(
-            decode_attention_pallas(
-                q, cache, interpret=True, tuning=GpuTuning(score_folds_query=f, num_splits=2)
-            ),
-            np.float32,
-        )
-        for f in (False, True)
-    ]
-    ulp = float(jnp.finfo(dtype).eps) * max(float(np.abs(outs[0]).max()), 1.0)
-    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=2 * ulp)
-    _check(q, cache, interpret=True, tuning=GpuTuning(score_folds_query=True, num_splits=2))
-
-
 def test_dispatch(rng):
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=128,
@@ -485,10 +465,8 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"value_warps": 6}, "value_warps"),
         ({"num_splits": 0}, "num_splits"),
         ({"score_slices": 3}, "score_slices"),
-        ({"query_program_groups": 0}, "query_program_groups"),
         ({"value_chain": 128}, "value_chain=128: at most 64"),
         ({"value_parts": 3}, "value_parts must be 1 or 2"),
-        ({"score_folds_query": 1}, "score_folds_query must be a bool"),
         ({"value_interleave": 1}, "value_interleave must be a bool"),
         ({"score_slices": 0}, "score_slices must be a positive int"),
         ({"value_quads": 0}, "value_quads must be a positive int"),
@@ -560,7 +538,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
             2,
         ),
         (GpuTuning(value_parts=1), 2),
-        (GpuTuning(score_folds_query=False, score_slices=4, value_quads=8), 2),  # fifth round's
+        (GpuTuning(score_slices=4, value_quads=8), 2),  # the fifth round's tiles
         (GpuTuning(score_slices=2), 4),  # the sixth round's 4-bit keys (now 1 slice)
         (GpuTuning(score_stages=1), 4),  # the eleventh round's register prefetch
         (GpuTuning(score_stages=4, prefetch=2, score_rows=32), 2),

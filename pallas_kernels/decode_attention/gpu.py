@@ -41,9 +41,9 @@ full-precision), then reads its split's logits once, exponentiates against the l
 row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
 softmaxes at the end. With MHA the score kernel's loop is left to Triton's software pipeliner
 (`GpuTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
-tiles ahead, without holding registers. (``GpuTuning(score_folds_query=False)`` instead runs a
-third kernel, the query kernel, that folds the query into every key group first for the score
-kernel to read as int16 words: slower at every shape measured, docs/history.md.)
+tiles ahead, without holding registers. (A third kernel that folded the query into every key
+group first, for the score kernel to read as int16 words, was slower at every shape measured:
+docs/history.md.)
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
@@ -102,8 +102,6 @@ class GpuTuning:
     score_program_groups: key groups per score-kernel program.
     score_warps, value_warps: warps per score / value program (one: the value kernel's
       layout conversions are then shuffles; 2 and 4 ran slower).
-    query_program_groups, query_warps: key groups and warps per query-kernel program (only
-      with score_folds_query False).
     value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
       a thread holds one quad's words of one channel group). None: by the value bit width
       (`quads`: 16 at 2 bits, 8 at 4 bits).
@@ -122,9 +120,6 @@ class GpuTuning:
     value_interleave (bool): a row's value splits take its tiles in turn (tile k of split s
       is the row's tile k * splits + s), so that they walk neighbouring tiles together;
       False: one contiguous range each.
-    score_folds_query (bool): the score kernel folds the query into each key group itself
-      (reading the key scales and zero points); False: a query kernel does it first and the
-      score kernel reads its int16 words (2 bytes per group channel written and read back).
     value_parts: int8 parts that carry each value weight p_t s_t, 1 or 2. 2: error at most
       1/64516 of the largest weight of its chain, finer than bfloat16. 1 trades precision for
       speed: at most 1/254 of it (about bfloat16's step for the largest weight, coarser for
@@ -147,8 +142,6 @@ class GpuTuning:
     score_slices: int | None = None
     score_program_groups: int = 16
     score_warps: int = 1
-    query_program_groups: int = 16
-    query_warps: int = 4
     value_quads: int | None = None
     value_chain: int = 2
     value_warps: int = 1
@@ -156,7 +149,6 @@ class GpuTuning:
     score_stages: int | None = None
     value_interleave: bool = True
     value_parts: int = 2
-    score_folds_query: bool = True
     num_splits: int | None = None
     target_programs: int = 8 * 132
     tail_slots: int = 16
@@ -167,13 +159,13 @@ class GpuTuning:
             v = getattr(self, f.name)
             if v is None and f.name in _NONE_MEANS_DEFAULT:
                 continue
-            if f.name in ("score_folds_query", "value_interleave"):
+            if f.name == "value_interleave":
                 if not isinstance(v, bool):
                     raise ValueError(f"GpuTuning.{f.name} must be a bool, got {v!r}")
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
-        for name in ("score_warps", "value_warps", "query_warps", "score_slices"):
+        for name in ("score_warps", "value_warps", "score_slices"):
             v = getattr(self, name)
             if v is not None and v & (v - 1):
                 raise ValueError(f"GpuTuning.{name} must be a power of two")
@@ -443,7 +435,9 @@ def _fold_query(q, scales, zeros):
     query, scales[s] / zeros[s] [n, w, 4] (channel 4i + r of slice s at [.., i, r]) ->
     (words, coef [n], bias [n]), words[half][s] int32 [n, w]: q_d s_gd as int16 (in units of
     coef), channels 4i and 4i + 1 in the low and high half of word i of half 0, channels
-    4i + 2 and 4i + 3 in half 1 (see `quantize_query`)."""
+    4i + 2 and 4i + 3 in half 1: q_d s_gd = coef_g y_gd + e_gd with |y_gd| <= 32767 and
+    |e_gd| <= max_d |q_d s_gd| / 65534 (about 16 bits, more than the bfloat16 query carries),
+    and bias_g = sum_d q_d z_gd."""
     qk = [x * sc.astype(jnp.float32) for x, sc in zip(q, scales, strict=True)]  # q_d s_gd
     amax = functools.reduce(
         jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in qk]
@@ -461,76 +455,15 @@ def _fold_query(q, scales, zeros):
     return words, unit, bias
 
 
-def _query_kernel(
-    q_ref,  # [n_rep, W, 4]              f32 scaled queries, channel 4w + r at [h, w, r]
-    ks_ref,  # [NG, W, 4]                key scales of NG groups
-    kz_ref,  # [NG, W, 4]                key zero points
-    q8_ref,  # out [n_rep, NG, 2, W]     int32 halves 0 and 1 (`_fold_query`)
-    cb_ref,  # out [n_rep, 2, NG]        f32 coef and bias per group
-):
-    """The query folded into each key group's scales, as one int16 per channel."""
-    scale, zero = ks_ref[...].astype(jnp.float32), kz_ref[...].astype(jnp.float32)
-    for h in range(q_ref.shape[0]):
-        words, coef, bias = _fold_query([q_ref[h][None]], [scale], [zero])
-        for half in range(2):
-            q8_ref[h, :, half, :] = words[half][0]
-        cb_ref[h, 0, :] = coef
-        cb_ref[h, 1, :] = bias
-
-
-def quantize_query(qs, k_scale, k_zero, *, tuning: GpuTuning, interpret: bool):
-    """The scaled query folded into each key group, as one int16 per channel.
-
-    qs [B, H, n_rep, D] f32, k_scale / k_zero [B, H, NG, D] ->
-      q8 [B, H, n_rep, NG, 2, D // 4] int32: y_gd of channels 4w and 4w + 1 in the low and
-      high half of word w of [.., 0, :], of channels 4w + 2 and 4w + 3 in [.., 1, :],
-      cb [B, H, n_rep, 2, NG] f32: coef and bias, such that in every group g
-      q_d s_gd = coef_g * y_gd + e_gd with |y_gd| <= 32767 and |e_gd| <= max_d |q_d s_gd| /
-      65534 (about 16 bits, more than the bfloat16 query carries), and bias_g =
-      sum_d q_d z_gd.
-    """
-    B, H, n_rep, D = qs.shape
-    NG, W = k_scale.shape[2], D // 4
-    blk = _pow2_divisor(NG, tuning.query_program_groups)
-    params = pl.BlockSpec((None, None, blk, W, 4), lambda b, h, g: (b, h, g, 0, 0))
-    q8, cb = pl.pallas_call(
-        _query_kernel,
-        grid=(B, H, NG // blk),
-        in_specs=[
-            pl.BlockSpec((None, None, n_rep, W, 4), lambda b, h, g: (b, h, 0, 0, 0)),
-            params,
-            params,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, n_rep, blk, 2, W), lambda b, h, g: (b, h, 0, g, 0, 0)),
-            pl.BlockSpec((None, None, n_rep, 2, blk), lambda b, h, g: (b, h, 0, 0, g)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, H, n_rep, NG, 2, W), jnp.int32),
-            jax.ShapeDtypeStruct((B, H, n_rep, 2, NG), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.query_warps, num_stages=1),
-        interpret=interpret,
-        name="kivi_query",
-    )(
-        qs.reshape(B, H, n_rep, W, 4),
-        k_scale.reshape(B, H, NG, W, 4),
-        k_zero.reshape(B, H, NG, W, 4),
-    )
-    return q8, cb
-
-
 def _score_kernel(
-    len_ref,  # []                    int32
-    *refs,
-    # (fold_query False) q8_ref [NG, 2, nS, ws] int32, the query in each group (quantize_query),
-    #   cb_ref [2, NG] f32, coef and bias per group;
-    # (fold_query True) q_ref [nS, ws, 4] the query (its dtype; times q_scale here), ks_ref,
-    #   kz_ref [NG, nS, ws, 4], the key scales and zero points, folded here (`_fold_query`);
-    # then kw_ref [NG, GB, nS, ws] int32 key words: group, token byte, channel quads,
-    # out s_ref [NG, GB, 2..2] f32 logits of token g*G + kpb*tb + j (j over the 2s),
-    # out m_ref [] f32 max over this program's quantized keys.
-    fold_query: bool,
+    len_ref,  # []                 int32
+    q_ref,  # [nS, ws, 4]          the query (its dtype; times q_scale here)
+    ks_ref,  # [NG, nS, ws, 4]     key scales, folded into the query here (`_fold_query`)
+    kz_ref,  # [NG, nS, ws, 4]     key zero points
+    kw_ref,  # [NG, GB, nS, ws]    int32 key words: group, token byte, channel quads
+    s_ref,  # out [NG, GB, 2..2]   f32 logits of token g*G + kpb*tb + j (j over the 2s)
+    m_ref,  # out []               f32 max over this program's quantized keys
+    *,
     q_scale: float,
     bits: int,
     group_size: int,
@@ -539,14 +472,9 @@ def _score_kernel(
     prefetch: int,
     interpret: bool,
 ):
-    *query_refs, kw_ref, s_ref, m_ref = refs
     NG, GB, nS, ws = kw_ref.shape
     kpb, n1 = 8 // bits, groups_per_iter
-    if fold_query:
-        q_ref, ks_ref, kz_ref = query_refs
-        q = [q_ref[s][None].astype(jnp.float32) * q_scale for s in range(nS)]  # [1, ws, 4]
-    else:
-        q8_ref, cb_ref = query_refs
+    q = [q_ref[s][None].astype(jnp.float32) * q_scale for s in range(nS)]  # [1, ws, 4]
     length = len_ref[()]
     qk_groups = (length - length % residual_length) // group_size
     g_base = pl.program_id(2) * NG
@@ -559,20 +487,16 @@ def _score_kernel(
         return jnp.minimum(k, NG // n1 - 1) * n1
 
     def load(k):
-        """Tile k: key words per slice [n1, GB, ws], and either the query's two int16 words per
-        slice [n1, ws] with coef and bias [n1], or the key scales and zero points per slice
-        [n1, ws, 4]."""
+        """Tile k: key words per slice [n1, GB, ws], and the key scales and zero points per
+        slice [n1, ws, 4]."""
         g = pl.ds(first_group(k), n1)
         words = tuple(kw_ref[g, :, s, :] for s in range(nS))
-        if fold_query:
-            params = tuple(tuple(r[g, s] for s in range(nS)) for r in (ks_ref, kz_ref))
-            return words, params
-        q8 = tuple(tuple(q8_ref[g, half, s, :] for s in range(nS)) for half in range(2))
-        return words, (q8, cb_ref[0, g], cb_ref[1, g])
+        params = tuple(tuple(r[g, s] for s in range(nS)) for r in (ks_ref, kz_ref))
+        return words, params
 
     def compute(k, tile, m):
-        words, query = tile
-        q8, coef, bias = _fold_query(q, *query) if fold_query else query
+        words, params = tile
+        q8, coef, bias = _fold_query(q, *params)
         shape = (n1, GB, ws)
         valid = (g_base + first_group(k) + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
         q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in half] for half in q8]
@@ -814,29 +738,9 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     Hq = H * n_rep
     stages = _loop_stages(tuning.key_stages(n_rep), interpret)
     kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
-    if tuning.score_folds_query:
-        query_specs = [
-            pl.BlockSpec((None, None, nS, ws, 4), lambda b, h, p: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
-            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
-        ]
-        query_args = [
-            q.reshape(B, Hq, nS, ws, 4),
-            k_scale.reshape(B, H, C // G, nS, ws, 4),
-            k_zero.reshape(B, H, C // G, nS, ws, 4),
-        ]
-    else:
-        qs = q.astype(jnp.float32) * q_scale
-        q8, cb = quantize_query(qs, k_scale, k_zero, tuning=tuning, interpret=interpret)
-        query_specs = [
-            pl.BlockSpec((None, None, NG, 2, nS, ws), lambda b, h, p: (b, h, p, 0, 0, 0)),
-            pl.BlockSpec((None, None, 2, NG), lambda b, h, p: (b, h, 0, p)),
-        ]
-        query_args = [q8.reshape(B, Hq, C // G, 2, nS, ws), cb.reshape(B, Hq, 2, C // G)]
     scores, block_max = pl.pallas_call(
         functools.partial(
             _score_kernel,
-            fold_query=tuning.score_folds_query,
             q_scale=q_scale,
             bits=bits,
             group_size=G,
@@ -848,7 +752,9 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
         grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
-            *query_specs,
+            pl.BlockSpec((None, None, nS, ws, 4), lambda b, h, p: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
+            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
             pl.BlockSpec((None, None, NG, GB, nS, ws), kv),
         ],
         out_specs=[
@@ -866,7 +772,9 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
         name="kivi_scores" if stages == 1 else triton_stages.staged_name("kivi_scores", stages),
     )(
         lengths,
-        *query_args,
+        q.reshape(B, Hq, nS, ws, 4),
+        k_scale.reshape(B, H, C // G, nS, ws, 4),
+        k_zero.reshape(B, H, C // G, nS, ws, 4),
         _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
