@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-KV_CHOICES = ("full", "kivi2", "kivi4")
+KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
 def _parser() -> argparse.ArgumentParser:

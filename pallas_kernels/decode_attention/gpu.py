@@ -1050,6 +1050,11 @@ def unsupported_reason(q: jax.Array, cache) -> str | None:
     if not isinstance(cache, KiviCache):
         return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
     cfg = cache.config
+    if cfg.mixed:
+        return (
+            "the fused kernel does not support the mixed-precision state yet (kivi2-mix: sinks, "
+            "sliding keys, fine key channels, heavy tokens); impl='auto' uses the reference"
+        )
     return supported_config_reason(
         k_bits=cfg.k_bits,
         v_bits=cfg.v_bits,
