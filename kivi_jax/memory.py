@@ -17,15 +17,18 @@ class MemoryReport:
 
     capacity_values counts the K and V values the allocation can hold (2 * layers * batch *
     kv_heads * capacity * head_dim), so bits_per_value_allocated is the cost per value at capacity.
-    side_bytes is a mixed-precision cache's side storage (kivi_jax.cache.MixedState: sinks, fine
-    key planes and channel indices, heavy tokens with positions and scores, ring scores).
+    full_precision_bytes is the baseline, computed one way for both kinds of cache: the
+    total_bytes of FullCaches of the same layers, batch, max_len, kv heads, head_dim and dtype (for
+    a FullCache, its own total_bytes). side_bytes is a mixed-precision cache's side storage
+    (kivi_jax.cache.MixedState: sinks, fine key planes and channel indices, heavy tokens with
+    positions and scores, ring scores).
     """
 
     codes_bytes: int
     scales_zeros_bytes: int
     residual_bytes: int
     counters_bytes: int
-    full_precision_bytes: int  # the same capacity as a FullCache in the same dtype
+    full_precision_bytes: int
     capacity_values: int
     side_bytes: int = 0
 
@@ -51,24 +54,25 @@ def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
         )
     size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
     counters = size(cache.lengths, cache.overflow)
+    # A FullCache's k and v: [batch, max_len, kv_heads, head_dim] each.
+    full_kv = 2 * cache.batch * cache.max_len * cache.num_kv_heads * cache.head_dim
+    full_precision_bytes = full_kv * cache.dtype.itemsize + counters
     if isinstance(cache, FullCache):
-        kv = size(cache.k, cache.v)
         return MemoryReport(
             codes_bytes=0,
             scales_zeros_bytes=0,
-            residual_bytes=kv,
+            residual_bytes=size(cache.k, cache.v),
             counters_bytes=counters,
-            full_precision_bytes=kv,
-            capacity_values=cache.k.size + cache.v.size,
+            full_precision_bytes=full_precision_bytes,
+            capacity_values=full_kv,
         )
-    capacity_values = 2 * cache.v_codes.size * (8 // cache.config.v_bits)
     return MemoryReport(
         codes_bytes=size(cache.k_codes, cache.v_codes),
         scales_zeros_bytes=size(cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero),
         residual_bytes=size(cache.k_residual, cache.v_residual),
         counters_bytes=counters,
-        full_precision_bytes=capacity_values * cache.dtype.itemsize,
-        capacity_values=capacity_values,
+        full_precision_bytes=full_precision_bytes,
+        capacity_values=2 * cache.v_codes.size * (8 // cache.config.v_bits),
         side_bytes=size(*jax.tree.leaves(cache.side)),
     )
 
@@ -79,13 +83,18 @@ class HeldBits:
 
     bits_per_value = total_bits / (2 * length * head_dim) counts the codes, the scales and zero
     points of the quantized tokens and the full-precision residual: the paper's "3 bits at G=32"
-    counts only the first two. side_bits is a mixed-precision cache's side storage for these
-    tokens: the fine key channels' low planes and channel indices, the sinks, the filled heavy
-    slots (key, value, int32 position, float32 score) and, with Selection.MASS, a float32 score
-    per token in the window.
+    counts only the first two. Of the `length` tokens, the first quantized_keys keys and
+    quantized_values values are quantized (Qk = l - l % R, or Pv with sliding_keys, and
+    Pv = max(l - R, 0), kivi_jax.cache), the rest are in the full-precision window; nothing is
+    quantized while l < R. side_bits is a mixed-precision cache's side storage for these tokens:
+    the fine key channels' low planes and channel indices, the sinks, the filled heavy slots
+    (key, value, int32 position, float32 score) and, with Selection.MASS, a float32 score per
+    token in the window.
     """
 
     length: int
+    quantized_keys: int
+    quantized_values: int
     head_dim: int
     dtype_bits: int
     code_bits: int
@@ -133,6 +142,8 @@ def held_bits(
         side += 32 * min(length, r) if config.needs_queries else 0
     return HeldBits(
         length=length,
+        quantized_keys=qk,
+        quantized_values=pv,
         head_dim=head_dim,
         dtype_bits=w,
         code_bits=(qk * k_bits + pv * v_bits) * head_dim,

@@ -275,19 +275,50 @@ def forward_with_qkv(
     return _logits(params, h), q, k, v
 
 
-def prefill(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, caches):
+def prefill(
+    params: LlamaParams, tokens: jax.Array, lengths: jax.Array, caches, *, rows: int | None = None
+):
     """Runs the prompt and writes every layer's K/V into its (empty) KV state.
 
     Args:
       params: the weights.
       tokens: int [B, S], right-padded prompts.
       lengths: int32 [B], the real prompt lengths (>= 1).
-      caches: one KV state per layer (`kivi_jax.init_cache(..., num_layers=L)`).
+      caches: one empty KV state per layer (`kivi_jax.init_cache(..., num_layers=L)`).
+      rows: prefill this many rows at a time (static), so that the prompt's working memory is
+        that of `rows` rows whatever the batch; None or >= B: all rows in one pass. Each row's
+        state is what prefilling it alone gives, so the chunks only change the rounding of
+        the prompt's matmuls (their tiling follows the rows).
 
     Returns:
       (float32 logits of each prompt's last real token [B, V], the filled states).
     """
     _check_tokens(params, tokens)
+    B = tokens.shape[0]
+    if rows is None or rows >= B:
+        return _prefill_all(params, tokens, lengths, caches)
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int or None, got {rows!r}")
+
+    def chunk(i, carry):
+        # Chunk i covers rows [start, start + rows); the last one is moved back to end at B,
+        # and the rows it shares with the previous chunk are prefilled again, from empty
+        # states, to the same states.
+        logits, caches = carry
+        start = jnp.minimum(i * rows, B - rows)
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0)
+        empty = tuple(jax.tree.map(lambda x: jnp.zeros_like(take(x)), c) for c in caches)
+        out, filled = _prefill_all(params, take(tokens), take(lengths), empty)
+        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=0)
+        caches = tuple(jax.tree.map(put, c, f) for c, f in zip(caches, filled, strict=True))
+        return put(logits, out), caches
+
+    logits = jnp.zeros((B, params.config.vocab_size), jnp.float32)
+    return jax.lax.fori_loop(0, -(-B // rows), chunk, (logits, tuple(caches)))
+
+
+def _prefill_all(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, caches):
+    """`prefill` of every row in one pass."""
     c = params.config
     h, filled = _embed(params, tokens), []
     for lw, cache in zip(params.layers, caches, strict=True):

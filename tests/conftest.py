@@ -23,6 +23,61 @@ def random_kv(rng, batch, seq, heads, head_dim, dtype=jnp.float32, outliers=Fals
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
 
+def streamed_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
+    """A real KIVI state: ragged prompts of random keys (with outlier channels, as keys have)
+    and values prefilled, then `steps` decode appends (every row active)."""
+    import kivi_jax
+
+    B = len(prompts)
+    cache = kivi_jax.init_cache(
+        config, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
+    )
+    seq = max(max(prompts), 1)
+    k = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    k[..., ::8] *= 5.0  # outlier channels, as keys have
+    v = rng.normal(size=(B, seq, H, D)).astype(np.float32)
+    cache = kivi_jax.prefill(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(prompts))
+    for _ in range(steps):
+        kt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+        cache = kivi_jax.append(cache, kt, vt)
+    return cache
+
+
+def random_layout_cache(rng, *, capacity, residual_length, lengths, zero_value_scales=0):
+    """A bf16 state (keys 2 bits, values 4 bits, G = 32) of 2 KV heads of 64 channels with
+    random codes, scales and zero points written straight into the layout: every byte
+    pattern, some constant key groups (zero scales), the first `zero_value_scales` tokens'
+    value scales zero too."""
+    import dataclasses
+
+    import kivi_jax
+
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=residual_length)
+    cache = kivi_jax.init_cache(
+        cfg, batch=len(lengths), max_len=capacity, num_kv_heads=2, head_dim=64,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+
+    def like(x, lo, hi):
+        if x.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+        return jnp.asarray(rng.uniform(lo, hi, x.shape).astype(np.float32), x.dtype)
+
+    return dataclasses.replace(
+        cache,
+        k_codes=like(cache.k_codes, 0, 0),
+        k_scale=like(cache.k_scale, 0.0, 0.3).at[:, :, 0, :4].set(0),  # constant groups
+        k_zero=like(cache.k_zero, -1, 1),
+        v_codes=like(cache.v_codes, 0, 0),
+        v_scale=like(cache.v_scale, 0.0, 0.3).at[:, :, :zero_value_scales].set(0),
+        v_zero=like(cache.v_zero, -1, 1),
+        k_residual=like(cache.k_residual, -2, 2),
+        v_residual=like(cache.v_residual, -2, 2),
+        lengths=jnp.asarray(lengths, jnp.int32),
+    )
+
+
 def tree_equal(a, b) -> bool:
     """Pytrees with equal structure, static fields and bit-identical leaves."""
     if jax.tree.structure(a) != jax.tree.structure(b):

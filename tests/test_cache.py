@@ -1,12 +1,14 @@
 """The KIVI streaming state: the paper's rules, exact equivalences and errors."""
 
+import dataclasses
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_kv, tree_equal
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 import kivi_jax as kj
 from kivi_jax import quantization as qz
@@ -145,31 +147,6 @@ def test_inactive_rows_are_left_untouched(rng):
         np.testing.assert_array_equal(getattr(after, field)[2], getattr(cache, field)[2])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cfg", [kj.KiviConfig(group_size=4, residual_length=8), kj.KIVI4])
-def test_dequantize_error_is_bounded_and_padding_is_zero(rng, dtype, cfg):
-    d = max(cfg.group_size, 8)
-    k, v = random_kv(rng, 2, 40, 1, d, dtype, outliers=True)
-    cache = kj.prefill(
-        _cache(cfg, batch=2, max_len=48, head_dim=d, dtype=dtype), k, v, lengths=jnp.array([40, 17])
-    )
-    dk, dv = kj.dequantize(cache, dtype=jnp.float32)
-    assert dk.shape == (2, 48, 1, d) and dv.dtype == jnp.float32
-    assert not np.any(np.asarray(dk[1, 17:])) and not np.any(np.asarray(dv[1, 17:]))
-    # Every key is within half its group's step (key steps: per channel per G tokens).
-    k_step = jnp.repeat(cache.k_scale.astype(jnp.float32), cfg.group_size, axis=2)  # [B,H,C,D]
-    k_step = jnp.swapaxes(k_step, 1, 2)[:, :40]
-    err = jnp.abs(dk[:, :40] - k.astype(jnp.float32))
-    held = (jnp.arange(40)[None, :] < jnp.array([40, 17])[:, None])[:, :, None, None]
-    slack = 1e-6 * (1 + jnp.abs(k.astype(jnp.float32)))
-    assert bool(jnp.all(jnp.where(held, err <= k_step / 2 + slack, True)))
-    # Values within half a step of their token's channel group.
-    v_step = jnp.repeat(cache.v_scale.astype(jnp.float32), cfg.group_size, axis=3)
-    v_step = jnp.swapaxes(v_step, 1, 2)[:, :40]
-    err = jnp.abs(dv[:, :40] - v.astype(jnp.float32))
-    assert bool(jnp.all(jnp.where(held, err <= v_step / 2 + slack, True)))
-
-
 def test_constant_groups_dequantize_exactly():
     cfg = kj.KiviConfig(group_size=4, residual_length=4)
     k = jnp.full((1, 12, 1, 8), 0.375)
@@ -206,8 +183,36 @@ def test_num_layers_gives_one_cache_per_layer():
     # C = max_len rounded up to G = 32: 128 token positions, 2-bit keys packed 4 per byte.
     assert one.k_codes.shape == (2, 3, 32, 64) and one.v_codes.shape == (2, 3, 128, 16)
     assert one.k_scale.shape == (2, 3, 4, 64) and one.v_scale.shape == (2, 3, 128, 2)
-    with pytest.raises(TypeError, match=r"tuple of 4 .* pass one of them, caches\[i\]"):
-        kj.append(caches, jnp.zeros((2, 3, 64)), jnp.zeros((2, 3, 64)))
+
+
+def test_a_tuple_of_caches_or_a_layer_index_is_a_clear_error():
+    # The layers are a tuple of caches: a function of one layer's cache names the mistake, and
+    # the removed `layer=` argument is Python's unexpected keyword, never a silent no-op.
+    caches = _cache(CONFIGS[0], batch=2, heads=2, num_layers=2)
+    k = jnp.zeros((2, 3, 2, 8))
+    calls = [
+        lambda: kj.prefill(caches, k, k),
+        lambda: kj.append(caches, k[:, 0], k[:, 0]),
+        lambda: kj.dequantize(caches),
+        lambda: kj.decode_attention(jnp.zeros((2, 2, 8)), caches),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"tuple of 2 .* pass one of them, caches\[i\]"):
+            call()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        kj.prefill(caches[0], k, k, layer=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        kj.append(caches[0], k[:, 0], k[:, 0], layer=7)
+    assert not hasattr(kj, "layer")
+
+
+@pytest.mark.parametrize("config", [None, CONFIGS[0]])
+def test_keys_and_values_of_another_float_dtype_are_cast_to_the_cache_dtype(rng, config):
+    k, v = random_kv(rng, 1, 9, 1, 8)  # float32 into a bfloat16 cache
+    cache = _cache(config, dtype=jnp.bfloat16)
+    got = kj.prefill(cache, k, v)
+    want = kj.prefill(cache, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    assert tree_equal(got, want) and got.dtype == jnp.bfloat16
 
 
 def test_a_key_group_is_quantized_when_its_last_token_arrives(rng):
@@ -282,15 +287,6 @@ def test_config_is_frozen_and_keyword_only():
         kj.KIVI2.k_bits = 4
 
 
-def test_bad_cache_arguments_are_rejected():
-    with pytest.raises(ValueError, match="group_size=32 must divide head_dim=48"):
-        _cache(kj.KIVI2, head_dim=48)
-    with pytest.raises(ValueError, match="max_len must be a positive integer"):
-        _cache(kj.KIVI2, max_len=0)
-    with pytest.raises(ValueError, match="cache dtype must be"):
-        _cache(kj.KIVI2, head_dim=32, dtype=jnp.int8)
-
-
 def test_bad_prefill_and_append_inputs_are_rejected():
     cache = _cache(CONFIGS[0], batch=2, heads=2)
     ok = jnp.zeros((2, 3, 2, 8))
@@ -336,3 +332,189 @@ def test_a_jitted_append_does_not_copy_the_cache(config):
     small = scratch_bytes(4096)
     assert small == scratch_bytes(32768)
     assert small < 2 * 2 * 128 * 64 * 4  # less than one ring: no array of the cache is copied
+
+
+# ---------------------------------------------------------------------------- the API at random
+
+# Each faulty case makes one mistake and must raise this error, naming the argument.
+FAULTS = {
+    "k_bits": (ValueError, r"KiviConfig\.k_bits must be one of \(2, 4, 8\)"),
+    "v_bits": (ValueError, r"KiviConfig\.v_bits must be one of \(2, 4, 8\)"),
+    "residual_length": (ValueError, r"KiviConfig\.residual_length must be a positive multiple"),
+    "head_dim": (ValueError, r"group_size=\d+ must divide head_dim=\d+"),
+    "dtype": (ValueError, "cache dtype must be float32, bfloat16 or float16"),
+    "max_len": (ValueError, "max_len must be a positive integer"),
+    "lengths": (ValueError, r"prefill: lengths must lie in \[0, seq=\d+\]"),
+    "capacity": (ValueError, r"cache capacity exceeded: max_len=\d+"),
+    "kv_dtype": (ValueError, "prefill: k must be floating point"),
+    "kv_heads": (ValueError, r"prefill: k of shape .* does not match the cache"),
+    "num_layers": (TypeError, r"tuple of 2 .* pass one of them, caches\[i\]"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiCase:
+    """init_cache, a prefill of `seq` positions (`lengths` real per row), one append per entry
+    of `active` (the rows that take a token), then dequantize; `fault` names its one mistake."""
+
+    config: dict | None  # KiviConfig fields; None: the full-precision cache
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: str  # the cache's
+    kv_dtype: str  # the keys' and values' (cast to the cache's)
+    max_len: object
+    seq: int
+    lengths: tuple
+    active: tuple
+    scale: float
+    seed: int
+    fault: str | None = None
+
+
+@st.composite
+def api_cases(draw):
+    fault = draw(st.none() | st.sampled_from(sorted(FAULTS)))
+    g = draw(st.sampled_from([4, 8, 16, 32]))
+    r = g * draw(st.integers(1, 3))
+    config = None
+    if fault in ("k_bits", "v_bits", "residual_length", "head_dim") or draw(st.integers(0, 3)):
+        bits = lambda name: draw(st.sampled_from([1, 3, 16] if fault == name else [2, 4, 8]))
+        config = dict(k_bits=bits("k_bits"), v_bits=bits("v_bits"), group_size=g,
+                      residual_length=r + g // 2 * (fault == "residual_length"))  # fmt: skip
+    batch = draw(st.integers(1, 3))
+    seq = draw(st.integers(2 if fault == "capacity" else 1, 2 * r + g + 1))  # past 2 flushes
+    lengths = draw(st.lists(st.integers(0, seq), min_size=batch, max_size=batch))
+    if fault == "lengths":
+        lengths[draw(st.integers(0, batch - 1))] = draw(st.sampled_from([-1, seq + 1]))
+    if fault == "capacity":
+        lengths[0] = seq
+    active = draw(st.lists(st.tuples(*[st.booleans()] * batch), max_size=2))
+    held = max(n + sum(a[b] for a in active) for b, n in enumerate(lengths))
+    if fault == "max_len":
+        max_len = draw(st.sampled_from([0, -3, 2.5]))
+    elif fault == "capacity":
+        max_len = held - 1
+    else:
+        max_len = max(held, 1) + draw(st.integers(0, 40))
+    floats = st.sampled_from(["float32", "bfloat16", "float16"])
+    return ApiCase(
+        config=config,
+        batch=batch,
+        heads=draw(st.integers(1, 2)),
+        head_dim=g * draw(st.integers(1, 2)) + g // 2 * (fault == "head_dim"),
+        dtype=draw(st.sampled_from(["int8", "float64"])) if fault == "dtype" else draw(floats),
+        kv_dtype="int32" if fault == "kv_dtype" else draw(floats),
+        max_len=max_len,
+        seq=seq,
+        lengths=tuple(lengths),
+        active=tuple(active),
+        scale=draw(st.sampled_from([0.01, 1.0, 30.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        fault=fault,
+    )
+
+
+def _run(case: ApiCase):
+    """The calls of `case`: (the cache, k, v [batch, seq + appends, heads, head_dim])."""
+    config = None if case.config is None else kj.KiviConfig(**case.config)
+    cache = kj.init_cache(
+        config, batch=case.batch, max_len=case.max_len, num_kv_heads=case.heads,
+        head_dim=case.head_dim, dtype=case.dtype,
+        num_layers=2 if case.fault == "num_layers" else None,
+    )  # fmt: skip
+    rng = np.random.default_rng(case.seed)
+    shape = (case.batch, case.seq + len(case.active), case.heads + (case.fault == "kv_heads"))
+    k, v = (case.scale * rng.normal(size=(*shape, case.head_dim)) for _ in range(2))
+    k[..., ::4] *= 10  # outlier channels, as real keys have
+    k, v = (jnp.asarray(x, case.kv_dtype) for x in (k, v))
+    cache = kj.prefill(cache, k[:, : case.seq], v[:, : case.seq], lengths=jnp.array(case.lengths))
+    for j, active in enumerate(case.active):
+        t = case.seq + j
+        cache = kj.append(cache, k[:, t], v[:, t], active=jnp.array(active))
+    return cache, k, v
+
+
+def _check_round_trip(case: ApiCase) -> None:
+    cache, k, v = _run(case)
+    # Each row holds its prefilled tokens, then the appended ones it was active for.
+    rows = [
+        list(range(n)) + [case.seq + j for j, a in enumerate(case.active) if a[b]]
+        for b, n in enumerate(case.lengths)
+    ]
+    assert cache.lengths.tolist() == [len(t) for t in rows]  # never a silent no-op
+    assert not cache.overflow.any()
+    dk, dv = (np.asarray(x) for x in kj.dequantize(cache, dtype=jnp.float32))
+    assert dk.shape == (case.batch, case.max_len, case.heads, case.head_dim)
+    # What the cache stores: the tokens cast to its dtype.
+    k, v = (np.asarray(x.astype(case.dtype).astype(jnp.float32)) for x in (k, v))
+    for b, tokens in enumerate(rows):
+        n, kb, vb = len(tokens), k[b, tokens], v[b, tokens]  # [n, H, D]
+        assert not dk[b, n:].any() and not dv[b, n:].any()  # past the length: zero
+        if case.config is None:
+            np.testing.assert_array_equal(dk[b, :n], kb)
+            np.testing.assert_array_equal(dv[b, :n], vb)
+            continue
+        g, r = case.config["group_size"], case.config["residual_length"]
+        qk, pv = n - n % r, max(n - r, 0)  # keys [0, qk) and values [0, pv) are quantized
+        np.testing.assert_array_equal(dk[b, qk:n], kb[qk:])  # the full-precision window
+        np.testing.assert_array_equal(dv[b, pv:n], vb[pv:])
+        # A key's step is its channel's per G tokens, a value's its token's per G channels.
+        k_step = np.repeat(np.asarray(cache.k_scale[b], np.float32), g, axis=1)  # [H, C, D]
+        v_step = np.repeat(np.asarray(cache.v_scale[b], np.float32), g, axis=2)  # [H, C, D]
+        k_step, v_step = (np.swapaxes(x, 0, 1) for x in (k_step, v_step))  # [C, H, D]
+        for name, got, want, step, m in (
+            ("key", dk, kb, k_step, qk),
+            ("value", dv, vb, v_step, pv),
+        ):
+            slack = 1e-6 * (1 + np.abs(want[:m]))  # float32 rounding of code * scale + zero
+            excess = np.abs(got[b, :m] - want[:m]) - (step[:m] / 2 + slack)
+            assert excess.max(initial=0) <= 0, f"row {b}: a {name} {excess.max()} past half a step"
+
+
+@settings(max_examples=12, deadline=None)  # about half faulty (no compilation), half compiled
+@given(case=api_cases())
+# KIVI-2 at its defaults, float32 tokens into a bfloat16 cache, both windows flushed past
+@example(
+    ApiCase(
+        config=dict(k_bits=2, v_bits=2, group_size=32, residual_length=128),
+        batch=2,
+        heads=2,
+        head_dim=64,
+        dtype="bfloat16",
+        kv_dtype="float32",
+        max_len=300,
+        seq=270,
+        lengths=(270, 17),
+        active=((True, False),),
+        scale=1.0,
+        seed=0,
+    )
+)
+# The full-precision cache: stored as is
+@example(
+    ApiCase(
+        config=None,
+        batch=1,
+        heads=1,
+        head_dim=8,
+        dtype="float16",
+        kv_dtype="float16",
+        max_len=20,
+        seq=9,
+        lengths=(9,),
+        active=((True,),),
+        scale=1.0,
+        seed=1,
+    )
+)
+def test_the_api_round_trips_within_the_bound_or_names_the_bad_argument(case):
+    """Random configs, shapes, dtypes, lengths and capacities: the state dequantizes to the
+    tokens it holds (quantized ones within half their group's step, the window exact, zeros past
+    the length), or the one mistake raises a ValueError or TypeError that names it."""
+    if case.fault is None:
+        _check_round_trip(case)
+    else:
+        error, match = FAULTS[case.fault]
+        with pytest.raises(error, match=match):
+            _run(case)

@@ -23,7 +23,6 @@ scale: that test checks that the option computes the right thing, not its precis
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import re
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_layout_cache, streamed_cache
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     decode_attention_pallas,
@@ -246,24 +246,6 @@ def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
     assert not np.asarray(o_tail[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
 
 
-def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
-    """prefill ragged prompts, then `steps` decode appends (every row active)."""
-    B = len(prompts)
-    cache = kivi_jax.init_cache(
-        config, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
-    )
-    seq = max(max(prompts), 1)
-    k = rng.normal(size=(B, seq, H, D)).astype(np.float32)
-    k[..., ::8] *= 5.0  # outlier channels, as keys have
-    v = rng.normal(size=(B, seq, H, D)).astype(np.float32)
-    cache = kivi_jax.prefill(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(prompts))
-    for _ in range(steps):
-        kt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
-        vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
-        cache = kivi_jax.append(cache, kt, vt)
-    return cache
-
-
 def _rounded_reference(q, cache, dtype):
     """softmax(q.K/sqrt(D)) V with K, V, q/sqrt(D) and p rounded to `dtype` (float32 otherwise)."""
     rnd = lambda x: np.asarray(jnp.asarray(x, dtype), np.float32)
@@ -302,7 +284,7 @@ def _check(q, cache, *, interpret, tuning=None):
 
 def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R):
     cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=32, residual_length=R)
-    cache = _real_cache(
+    cache = streamed_cache(
         rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts, steps=steps, dtype=dtype
     )
     q = jnp.asarray(rng.normal(size=(len(prompts), H * n_rep, D)).astype(np.float32), dtype)
@@ -334,7 +316,7 @@ def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype
 
 def test_length_zero_row_interpret(rng):
     cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=64)
-    cache = _real_cache(
+    cache = streamed_cache(
         rng, config=cfg, H=2, D=64, max_len=256, prompts=[0, 97, 200], steps=0,
         dtype=jnp.bfloat16,
     )  # fmt: skip
@@ -354,28 +336,10 @@ def test_residual_length_not_a_power_of_two_interpret(rng):
 
 def test_random_layout_state_interpret(rng):
     """Random codes, scales (some zero) and zero points written straight into the layout."""
-    B, H, D, C, R, dtype = 3, 2, 64, 256, 64, jnp.bfloat16
-    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=R)
-    cache = kivi_jax.init_cache(cfg, batch=B, max_len=C, num_kv_heads=H, head_dim=D, dtype=dtype)
-
-    def like(x, lo, hi):
-        if x.dtype == jnp.uint8:
-            return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
-        return jnp.asarray(rng.uniform(lo, hi, x.shape).astype(np.float32), x.dtype)
-
-    cache = dataclasses.replace(
-        cache,
-        k_codes=like(cache.k_codes, 0, 0),
-        k_scale=like(cache.k_scale, 0.0, 0.3).at[:, :, 0, :4].set(0),  # constant groups
-        k_zero=like(cache.k_zero, -1, 1),
-        v_codes=like(cache.v_codes, 0, 0),
-        v_scale=like(cache.v_scale, 0.0, 0.3),
-        v_zero=like(cache.v_zero, -1, 1),
-        k_residual=like(cache.k_residual, -2, 2),
-        v_residual=like(cache.v_residual, -2, 2),
-        lengths=jnp.asarray([256, 100, 193], jnp.int32),
+    cache = random_layout_cache(
+        rng, capacity=256, residual_length=64, lengths=[256, 100, 193], zero_value_scales=0
     )
-    q = jnp.asarray(rng.normal(size=(B, 3 * H, D)), dtype)
+    q = jnp.asarray(rng.normal(size=(3, 6, 64)), jnp.bfloat16)
     _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
 
 

@@ -28,7 +28,6 @@ the comparison.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_layout_cache, streamed_cache
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kivi_jax.pallas_kernels.decode_attention import (
@@ -146,27 +146,9 @@ def test_fold_matrix_adds_tokens_to_their_slots(rng):
     np.testing.assert_array_equal(folded, p.reshape(2, n // R, R).sum(axis=1))
 
 
-def _real_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
-    """prefill ragged prompts, then `steps` decode appends (every row active)."""
-    B = len(prompts)
-    cache = kivi_jax.init_cache(
-        config, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
-    )
-    seq = max(max(prompts), 1)
-    k = rng.normal(size=(B, seq, H, D)).astype(np.float32)
-    k[..., ::8] *= 5.0  # outlier channels, as keys have
-    v = rng.normal(size=(B, seq, H, D)).astype(np.float32)
-    cache = kivi_jax.prefill(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(prompts))
-    for _ in range(steps):
-        kt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
-        vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
-        cache = kivi_jax.append(cache, kt, vt)
-    return cache
-
-
 def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, prompts, steps, max_len, R=128, G=32, H=2):
     cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
-    cache = _real_cache(
+    cache = streamed_cache(
         rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts, steps=steps, dtype=dtype
     )
     q = jnp.asarray(rng.normal(size=(len(prompts), H * n_rep, D)).astype(np.float32), dtype)
@@ -289,28 +271,10 @@ def test_residual_length_not_a_power_of_two(rng):
 
 def test_random_layout_state(rng):
     """Random codes, scales (some zero) and zero points written straight into the layout."""
-    B, H, D, C, R, dtype = 3, 2, 64, 1024, 128, jnp.bfloat16
-    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=R)
-    cache = kivi_jax.init_cache(cfg, batch=B, max_len=C, num_kv_heads=H, head_dim=D, dtype=dtype)
-
-    def like(x, lo, hi):
-        if x.dtype == jnp.uint8:
-            return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
-        return jnp.asarray(rng.uniform(lo, hi, x.shape).astype(np.float32), x.dtype)
-
-    cache = dataclasses.replace(
-        cache,
-        k_codes=like(cache.k_codes, 0, 0),
-        k_scale=like(cache.k_scale, 0.0, 0.3).at[:, :, 0, :4].set(0),  # constant groups
-        k_zero=like(cache.k_zero, -1, 1),
-        v_codes=like(cache.v_codes, 0, 0),
-        v_scale=like(cache.v_scale, 0.0, 0.3).at[:, :, :7].set(0),
-        v_zero=like(cache.v_zero, -1, 1),
-        k_residual=like(cache.k_residual, -2, 2),
-        v_residual=like(cache.v_residual, -2, 2),
-        lengths=jnp.asarray([1024, 100, 700], jnp.int32),
+    cache = random_layout_cache(
+        rng, capacity=1024, residual_length=128, lengths=[1024, 100, 700], zero_value_scales=7
     )
-    q = jnp.asarray(rng.normal(size=(B, 3 * H, D)), dtype)
+    q = jnp.asarray(rng.normal(size=(3, 6, 64)), jnp.bfloat16)
     _check(q, cache)
 
 

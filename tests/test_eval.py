@@ -1,12 +1,14 @@
 """The accuracy studies: the model's attention hook, the invariants on the real model, the CLI."""
 
 import json
+import pathlib
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from kivi_jax.models import llama
-from tiny_model import tiny_params
+from tiny_model import tiny_params, write_gguf
 
 import kivi_jax as kj
 from kivi_jax.eval import cli, data, studies, views
@@ -121,3 +123,52 @@ def test_cli_missing_text_file_is_a_clear_error(tmp_path, capsys):
 def test_cli_unknown_study_is_a_usage_error(capsys):
     assert cli.main(["bogus"]) == 2
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("length", ["0", "-5"])
+def test_cli_passkey_length_that_is_not_positive_is_a_usage_error(length, capsys):
+    assert cli.main(["passkey", "--passkey-lengths", "1024", length]) == 2
+    assert f"--passkey-lengths: must be a positive integer, got {length}" in capsys.readouterr().err
+
+
+def test_cli_passkey_length_beyond_the_context_fails_before_any_study_runs(tmp_path, capsys):
+    model = str(tmp_path / "tiny.gguf")
+    write_gguf(model, tiny_params(tie_embeddings=False))  # context 256
+    out = tmp_path / "results"
+    argv = ["all", "--quick", "--passkey-lengths", "300", "--model", model, "--out", str(out)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "kivi-eval: error: passkey length 300 is beyond the model's context" in err
+    assert "fit 256 tokens for lengths up to 248" in err
+    assert not out.exists()  # not even the perplexity study ran
+
+
+@pytest.mark.parametrize(
+    "length, message",
+    [
+        (9000, "passkey length 9000 is beyond .* 8 answer tokens fit 8192 tokens .* up to 8184"),
+        (100_000, "passkey length 100000 is beyond the model's context"),
+        (10, "passkey length 10 is too short: the instructions, key and question take"),
+    ],
+)
+def test_passkey_length_out_of_range_fails_before_anything_runs(smollm_f32, length, message):
+    with pytest.raises(ValueError, match=message):
+        studies.passkey_study(
+            smollm_f32.params, smollm_f32.tokenizer, lengths=[1024, length], depths=[0.5]
+        )
+
+
+def test_cli_replot_redraws_the_plots_from_the_json_files_only(tmp_path, capsys):
+    results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/accuracy"
+    for study in ("ppl", "passkey", "ablate"):  # errors.json: the largest plot, left out for time
+        shutil.copy(results / f"{study}.json", tmp_path)
+    assert cli.main(["replot", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ablate.json", "ablate.png", "passkey.json", "passkey.png", "ppl.json", "ppl.png"
+    ]  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    capsys.readouterr()
+    assert cli.main(["replot", "--out", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"kivi-eval: error: no study results (<study>.json) in {empty}" in err

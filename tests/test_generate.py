@@ -89,6 +89,47 @@ def test_prompt_in_a_ragged_batch_yields_the_same_tokens_as_alone(params, kv):
     np.testing.assert_array_equal(out[1], generate(params, short[None], kv=kv, max_new_tokens=N)[0])
 
 
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_prefill_in_chunks_of_rows_gives_the_tokens_of_one_pass(params, kv):
+    # 5 ragged rows prefilled 2 at a time (the last chunk, rows 3-4, after rows 0-1 and 2-3:
+    # row 3 is prefilled twice, from empty states, to the same state).
+    rows = [prompt(n, seed=n) for n in (40, 17, 63, 5, 28)]
+    batch = np.zeros((5, 63), np.int32)
+    for b, r in enumerate(rows):
+        batch[b, : len(r)] = r
+    lengths = [len(r) for r in rows]
+    whole = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths)
+    chunked = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths, prefill_rows=2)
+    np.testing.assert_array_equal(chunked, whole)
+
+
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_the_prefill_working_memory_follows_the_rows_not_the_batch(kv):
+    from kivi_jax.generate import Sampling, _prepare
+
+    config = tiny_config(hidden_size=256, intermediate_size=512, max_context=1024)
+    params = kivi_jax.init_params(config, jax.random.key(0))
+
+    def scratch(batch, rows):
+        s = Sampling()
+        toks, lens, cache, r = _prepare(
+            params, np.ones((batch, 500), np.int32), None, kv=kv, max_new_tokens=8, sampling=s,
+            prefill_rows=rows,
+        )  # fmt: skip
+        lowered = _start_jit.lower(
+            params, toks, lens, cache, jax.random.key(0), max_new_tokens=8, sampling=s, rows=r
+        )
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch(16, 2) < 1.01 * scratch(4, 2)  # the [batch, vocab] logits aside
+    assert scratch(16, None) > 3 * scratch(4, None)  # all rows at once: 4x the rows
+
+
+def test_prefill_rows_must_be_positive(params):
+    with pytest.raises(ValueError, match="prefill_rows must be a positive int"):
+        generate(params, prompt(10)[None], max_new_tokens=N, prefill_rows=0)
+
+
 @pytest.mark.parametrize("n", [N, 2 * DECODE_CHUNK + 5])  # the loop's chunks and remainder
 def test_each_sequence_stops_at_its_eos_and_is_padded_with_it(params, n):
     a, b = prompt(30, seed=5), prompt(30, seed=6)
@@ -127,10 +168,10 @@ def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N):
 
     sampling = Sampling()
     ids = np.stack([prompt(prompt_len, seed=b) for b in range(batch)])
-    tokens, lengths, cache = _prepare(
+    tokens, lengths, cache, rows = _prepare(
         params, ids, None, kv=kv, max_new_tokens=new_tokens, sampling=sampling
     )
-    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling)
+    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling, rows=rows)
     state = jax.eval_shape(start, params, tokens, lengths, cache, jax.random.key(0))
     return _decode_jit.lower(params, state, max_new_tokens=new_tokens, sampling=sampling)
 
@@ -177,10 +218,11 @@ def test_token_stream_yields_what_generate_returns(params):
     )
     s = stream.stats
     assert (s.prompt_tokens, s.generated_tokens) == (25, N)
+    assert s.held_tokens == 25 + N - 1  # the last token sampled is never fed
     assert s.prefill_s > 0 and s.decode_s > 0 and s.compile_s > 0
-    # 37 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
+    # 36 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
     # unquantized cache of this capacity (the residual is a fixed cost that long contexts repay)
-    assert s.kv_bytes > s.kv_full_bytes > 0
+    assert s.kv_capacity == 64 + N and s.kv_bytes > s.kv_full_bytes > 0
 
 
 def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, params):
@@ -191,6 +233,9 @@ def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, para
     assert isinstance(text, str)
     raw = generate_text(model, "the theme", kv="kivi2", max_new_tokens=8, chat=False)
     assert isinstance(raw, str)
+    for chat in (True, False):
+        with pytest.raises(ValueError, match="the prompt is empty: ''"):
+            generate_text(model, "", chat=chat)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -230,6 +275,13 @@ def test_tokens_must_be_a_2d_integer_array(params):
         generate(params, prompt(10), max_new_tokens=N)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         generate(params, np.zeros((1, 5), np.float32), max_new_tokens=N)
+
+
+def test_a_ragged_list_of_prompts_says_to_pad_and_pass_lengths(params):
+    with pytest.raises(ValueError, match=r"right-pad them to one width .* lengths=\[3, 2\]"):
+        generate(params, [[1, 2, 3], [4, 5]], max_new_tokens=N)
+    with pytest.raises(ValueError, match=r"integer array \[batch, seq\]"):
+        generate(params, [[1, 2, 3], 4], max_new_tokens=N)
 
 
 def test_prompts_of_similar_length_share_one_compiled_loop(params):

@@ -19,13 +19,17 @@ def test_report_counts_every_allocated_byte():
     assert report.codes_bytes == values * 2 // 8
     assert report.scales_zeros_bytes == values // 32 * 2 * 2
     assert report.residual_bytes == 2 * 4 * 2 * 3 * 128 * 64 * 2
-    assert report.full_precision_bytes == values * 2
+    # The baseline: FullCaches of max_len = 1000 (not C) tokens in bfloat16, counters included.
+    full = kj.init_cache(None, batch=2, max_len=1000, num_kv_heads=3, head_dim=64, num_layers=4)
+    assert report.full_precision_bytes == kj.memory_report(full).total_bytes
+    assert report.full_precision_bytes == 2 * 4 * 2 * 3 * 1000 * 64 * 2 + report.counters_bytes
 
 
 def test_full_cache_report():
     cache = kj.init_cache(None, batch=1, max_len=10, num_kv_heads=2, head_dim=8, dtype=jnp.float32)
     report = kj.memory_report(cache)
-    assert report.residual_bytes == report.full_precision_bytes == 2 * 10 * 2 * 8 * 4
+    assert report.residual_bytes == 2 * 10 * 2 * 8 * 4
+    assert report.full_precision_bytes == report.total_bytes
     assert report.bits_per_value_allocated == pytest.approx(32 + 8 * 5 * 1 / 320)
 
 
@@ -53,3 +57,24 @@ def test_quantized_part_alone_costs_three_bits():
     # 256 tokens, R = 128: keys 256 quantized; values 128 quantized, 128 residual.
     held = kj.held_bits(kj.KIVI2, length=256, head_dim=128)
     assert held.code_bits + held.scale_zero_bits == (256 + 128) * 128 * 3
+
+
+def test_the_readmes_savings_figures():
+    """README, "Install and generate": from what length KIVI-2 (G=32, R=128) saves memory."""
+    held = lambda n, d=128: kj.held_bits(kj.KIVI2, length=n, head_dim=d, dtype=jnp.bfloat16)
+    assert held(127).compression == 1.0 < held(128).compression  # nothing quantized below R
+    assert round(held(1024).compression, 1) == 4.2 and round(held(4096).compression, 1) == 5.0
+    mib = lambda bits, layers, heads: bits * layers * heads / 8 / 2**20
+    assert round(mib(held(4096, 64).total_bits, 30, 3), 1) == 18.0  # SmolLM2-135M
+    assert mib(held(4096, 64).fp_bits, 30, 3) == 90
+    assert mib(held(4096).total_bits, 32, 32) == 410 and mib(held(4096).fp_bits, 32, 32) == 2048
+
+    def allocated_vs_full(max_len, dtype):
+        cache = kj.init_cache(
+            kj.KIVI2, batch=1, max_len=max_len, num_kv_heads=3, head_dim=64, dtype=dtype
+        )
+        report = kj.memory_report(cache)
+        return report.total_bytes / report.full_precision_bytes
+
+    for dtype, last in ((jnp.bfloat16, 158), (jnp.float32, 148)):  # no smaller up to `last`
+        assert allocated_vs_full(last, dtype) >= 1 > allocated_vs_full(last + 1, dtype)

@@ -35,3 +35,14 @@ def test_repository_folders_import_under_kivi_jax():
 
     assert pathlib.Path(kivi_jax.models.__file__).parent.name == "models"
     assert pathlib.Path(kivi_jax.pallas_kernels.__file__).parent.name == "pallas_kernels"
+
+
+def test_version_is_the_installed_distributions():
+    import importlib.metadata
+    import tomllib
+
+    import kivi_jax
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert kivi_jax.__version__ == importlib.metadata.version("kivi-jax")
+    assert kivi_jax.__version__ == pyproject["project"]["version"]

@@ -1,8 +1,10 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
     kivi-eval ppl|passkey|errors|ablate|all [--out DIR] [--quick] [--text FILE] [--model PATH]
+    kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
+`replot` redraws the plots of DIR from its JSON files (the studies are not re-run).
 """
 
 from __future__ import annotations
@@ -60,15 +62,26 @@ QUICK = Sizes(
 )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="kivi-eval", description=__doc__.splitlines()[0])
-    p.add_argument("study", choices=[*STUDIES, "all"], help="which study to run")
+    p.add_argument(
+        "study",
+        choices=[*STUDIES, "all", "replot"],
+        help="which study to run; replot: redraw the plots of --out from its JSON files",
+    )
     p.add_argument("--out", default="eval-results", help="output folder (default: eval-results)")
     p.add_argument("--quick", action="store_true", help="CI-sized runs (minutes, not an hour)")
     p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
     p.add_argument(
-        "--passkey-lengths", type=int, nargs="+", default=None,
+        "--passkey-lengths", type=_positive_int, nargs="+", default=None,
         help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
     )  # fmt: skip
     return p.parse_args(argv)
@@ -80,6 +93,10 @@ def run(args, log) -> list[pathlib.Path]:
     import kivi_jax
     from kivi_jax.eval import data, report, studies
 
+    if args.study == "replot":
+        written = report.replot(args.out)
+        log(f"replot: {', '.join(str(p) for p in written)}")
+        return written
     sizes = QUICK if args.quick else FULL
     if args.passkey_lengths:
         sizes = dataclasses.replace(sizes, passkey_lengths=tuple(args.passkey_lengths))
@@ -92,6 +109,12 @@ def run(args, log) -> list[pathlib.Path]:
         else (kivi_jax.load_model(dtype=jnp.float32))
     )
     params, tok = model.params, model.tokenizer
+    if "passkey" in studies_to_run:  # before any study runs
+        studies.check_passkey_lengths(
+            sizes.passkey_lengths,
+            max_context=params.config.max_context,
+            new_tokens=studies.PASSKEY_NEW_TOKENS,
+        )
     out = pathlib.Path(args.out)
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "

@@ -48,13 +48,22 @@ class PasskeyPrompt:
 
 
 def passkey_prompt(tokenizer, *, length: int, depth: float, rng: np.random.Generator):
-    """A prompt of about `length` tokens with a random 5-digit key hidden at `depth` in filler."""
+    """A prompt of about `length` tokens with a random 5-digit key hidden at `depth` in filler.
+
+    Raises ValueError when `length` cannot hold the instructions, the key, the question and one
+    filler sentence, instead of silently making a longer prompt than asked.
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     key = str(rng.integers(10_000, 100_000))
     fixed = len(tokenizer.encode(INTRO + NEEDLE.format(key=key) + QUESTION))
     per_filler = len(tokenizer.encode(FILLER * 10)) / 10
-    n = max(int((length - fixed) / per_filler), 1)
+    n = int((length - fixed) / per_filler)
+    if n < 1:
+        raise ValueError(
+            f"passkey length {length} is too short: the instructions, key and question take "
+            f"{fixed} tokens and a filler sentence {per_filler:.0f} more"
+        )
     before = round(n * depth)
     text = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n - before) + QUESTION
     return PasskeyPrompt(tokens=tokenizer.encode(text), key=key, length=length, depth=depth)

@@ -26,6 +26,29 @@ def write(out: pathlib.Path, study: str, result: dict, header: str) -> list[path
     return paths
 
 
+def replot(out) -> list[pathlib.Path]:
+    """Redraws <study>.png from <study>.json for every study whose JSON is in the folder `out`
+    (after a change to a plot: the studies are not re-run). `kivi-eval replot --out DIR`."""
+    out = pathlib.Path(out)
+    paths = []
+    for study, plot in PLOTS.items():
+        if (out / f"{study}.json").is_file():
+            plot(json.loads((out / f"{study}.json").read_text()), out / f"{study}.png")
+            paths.append(out / f"{study}.png")
+    if not paths:
+        raise FileNotFoundError(f"no study results (<study>.json) in {out}")
+    return paths
+
+
+def _annotate(ax, im, grid: np.ndarray, fmt: str) -> None:
+    """Writes each cell's value on an imshow heatmap, black on light cells and white on dark."""
+    for (i, j), val in np.ndenumerate(grid):
+        r, g, b, _ = im.cmap(im.norm(val))
+        light = 0.299 * r + 0.587 * g + 0.114 * b > 0.5  # perceived brightness of the cell
+        ax.text(j, i, format(val, fmt), ha="center", va="center", fontsize=8,
+                color="black" if light else "white")  # fmt: skip
+
+
 def _table(head: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
@@ -56,6 +79,8 @@ def _ppl_md(r: dict) -> str:
 
 def _ppl_plot(r: dict, path) -> None:
     plt = _plt()
+    from matplotlib import ticker
+
     names = list(r["streaming"]) + [f"fq {n}" for n in r["fake_quant"]]
     vals = [x["ppl"] for x in r["streaming"].values()] + [
         x["ppl"] for x in r["fake_quant"].values()
@@ -64,9 +89,17 @@ def _ppl_plot(r: dict, path) -> None:
     ax.barh(
         names[::-1], vals[::-1], color=["C1"] * len(r["fake_quant"]) + ["C0"] * len(r["streaming"])
     )
+    for y, val in enumerate(vals[::-1]):
+        ax.text(val * 1.02, y, f"{val:.1f}", va="center", fontsize=8)
     ax.set_xscale("log")
+    ax.set_xlim(min(vals) / 1.25, max(vals) * 1.3)
+    # Plain numbers at 1, 2 and 5 times the powers of ten; no labels on the minor ticks (they
+    # collide on a short log axis).
+    ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+    ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.axvline(r["streaming"]["fp"]["ppl"], color="k", lw=0.8, ls="--")
-    ax.set_xlabel("perplexity (log scale)")
+    ax.set_xlabel("perplexity (log scale; dashed: fp)")
     ax.set_title(f"Perplexity, {r['scored_tokens']} tokens of {pathlib.Path(r['source']).name}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -101,9 +134,15 @@ def _passkey_md(r: dict) -> str:
 def _passkey_plot(r: dict, path) -> None:
     plt = _plt()
     names = list(r["accuracy"])
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.6), squeeze=False)
+    # One shared y axis, labelled on the first panel only: no tick labels between the panels.
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(3.2 * len(names) + 1, 2.8), sharey=True, squeeze=False,
+        layout="constrained",
+    )  # fmt: skip
     for ax, n in zip(axes[0], names, strict=True):
-        im = ax.imshow(np.asarray(r["accuracy"][n]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        grid = np.asarray(r["accuracy"][n])
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        _annotate(ax, im, grid, ".1f")
         ax.set_xticks(range(len(r["depths"])), [str(d) for d in r["depths"]])
         ax.set_yticks(range(len(r["lengths"])), [str(x) for x in r["lengths"]])
         ax.set_xlabel("depth")
@@ -229,9 +268,11 @@ def _ablate_plot(r: dict, path) -> None:
                 for g in r["group_sizes"]
             ]
         )
-        im = ax.imshow(grid, cmap="viridis_r" if what == "ppl" else "RdYlGn", aspect="auto")
-        for (i, j), val in np.ndenumerate(grid):
-            ax.text(j, i, f"{val:.2f}", ha="center", va="center", color="w", fontsize=8)
+        if what == "ppl":
+            im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+        else:  # accuracy on the full [0, 1] scale, as in passkey.png
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        _annotate(ax, im, grid, ".2f")
         ax.set_xticks(range(len(r["residuals"])), [f"R={x}" for x in r["residuals"]])
         ax.set_yticks(range(len(r["group_sizes"])), [f"G={g}" for g in r["group_sizes"]])
         ax.set_title(

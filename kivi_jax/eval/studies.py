@@ -31,6 +31,8 @@ from kivi_jax.models import llama
 
 PT, PC = Grouping.PER_TOKEN, Grouping.PER_CHANNEL
 
+PASSKEY_NEW_TOKENS = 8  # greedy answer tokens after a passkey prompt (a 5-digit key fits)
+
 # The streaming cache settings compared everywhere (None: the full-precision cache).
 KV_SETTINGS: dict[str, KiviConfig | None] = {"fp": None, "kivi4": KIVI4, "kivi2": KIVI2}
 
@@ -138,7 +140,9 @@ def _greedy_answers(params, tokens, lengths, *, kv_configs, max_len: int, new_to
     return jnp.stack(answers)
 
 
-def passkey_answers(params, tokenizer, prompts, kv_configs, *, width: int, new_tokens: int = 8):
+def passkey_answers(
+    params, tokenizer, prompts, kv_configs, *, width: int, new_tokens: int = PASSKEY_NEW_TOKENS
+):
     """Greedy answers of each KV setting to a batch of prompts, right-padded to `width` tokens.
 
     Returns a list (per setting) of lists (per prompt) of decoded answer strings.
@@ -162,6 +166,20 @@ def passkey_answers(params, tokenizer, prompts, kv_configs, *, width: int, new_t
     return [[tokenizer.decode(out[c, b].tolist()) for b in range(B)] for c in range(len(out))]
 
 
+def check_passkey_lengths(lengths, *, max_context: int, new_tokens: int) -> None:
+    """Raises ValueError naming the first length that is not a positive int or whose prompt and
+    `new_tokens` answer tokens would not fit the model's context of `max_context` tokens."""
+    longest = max_context - new_tokens
+    for length in lengths:
+        if not isinstance(length, int | np.integer) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"passkey lengths must be positive integers, got {length!r}")
+        if length > longest:
+            raise ValueError(
+                f"passkey length {length} is beyond the model's context: a prompt and its "
+                f"{new_tokens} answer tokens fit {max_context} tokens for lengths up to {longest}"
+            )
+
+
 def passkey_study(
     params,
     tokenizer,
@@ -170,7 +188,7 @@ def passkey_study(
     depths,
     keys_per_cell: int = 2,
     settings=None,
-    new_tokens: int = 8,
+    new_tokens: int = PASSKEY_NEW_TOKENS,
     seed: int = 0,
     log=print,
 ) -> dict:
@@ -179,19 +197,24 @@ def passkey_study(
     settings: {name: KiviConfig | None}; default fp / KIVI-4 / KIVI-2. All settings of a cell share
     one full-precision prefill (the keys of a cell form one batch).
     """
+    check_passkey_lengths(lengths, max_context=params.config.max_context, new_tokens=new_tokens)
     settings = dict(KV_SETTINGS if settings is None else settings)
     rng = np.random.default_rng(seed)
-    grid = {name: np.zeros((len(lengths), len(depths))) for name in settings}
-    records = []
-    t0 = time.perf_counter()
-    for i, length in enumerate(lengths):
-        cells = [
+    # Every prompt is made (and checked) before anything runs: rows [length][depth][key].
+    rows = [
+        [
             [
                 data.passkey_prompt(tokenizer, length=length, depth=d, rng=rng)
                 for _ in range(keys_per_cell)
             ]
             for d in depths
         ]
+        for length in lengths
+    ]
+    grid = {name: np.zeros((len(lengths), len(depths))) for name in settings}
+    records = []
+    t0 = time.perf_counter()
+    for i, (length, cells) in enumerate(zip(lengths, rows, strict=True)):
         # One padded width per length, so the whole row shares one compiled program.
         width = -(-max(len(p.tokens) for cell in cells for p in cell) // 64) * 64
         for j, cell in enumerate(cells):

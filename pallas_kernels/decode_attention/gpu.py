@@ -74,7 +74,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import triton_stages
+from kivi_jax.pallas_kernels.decode_attention import state, triton_stages
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
@@ -1045,22 +1045,8 @@ def kivi_decode_attention_gpu(
 
 def unsupported_reason(q: jax.Array, cache) -> str | None:
     """None if `decode_attention_pallas(q, cache)` runs, else what it does not support."""
-    from kivi_jax.cache import KiviCache  # the state layout lives in kivi_jax
-
-    if not isinstance(cache, KiviCache):
-        return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
-    cfg = cache.config
-    if cfg.mixed:
-        return (
-            "the fused kernel does not support the mixed-precision state yet (kivi2-mix: sinks, "
-            "sliding keys, fine key channels, heavy tokens); impl='auto' uses the reference"
-        )
-    return supported_config_reason(
-        k_bits=cfg.k_bits,
-        v_bits=cfg.v_bits,
-        group_size=cfg.group_size,
-        head_dim=q.shape[-1],
-        dtype=q.dtype,
+    return state.unsupported_reason(
+        cache, head_dim=q.shape[-1], dtype=q.dtype, supported=supported_config_reason
     )
 
 
@@ -1071,22 +1057,5 @@ def decode_attention_pallas(
     reason = unsupported_reason(q, cache)
     if reason is not None:
         raise NotImplementedError(f"impl='pallas': {reason}")
-    cfg = cache.config
-    return kivi_decode_attention_gpu(
-        q,
-        cache.k_codes,
-        cache.k_scale,
-        cache.k_zero,
-        cache.v_codes,
-        cache.v_scale,
-        cache.v_zero,
-        cache.k_residual,
-        cache.v_residual,
-        cache.lengths,
-        k_bits=cfg.k_bits,
-        v_bits=cfg.v_bits,
-        group_size=cfg.group_size,
-        residual_length=cfg.residual_length,
-        tuning=tuning,
-        interpret=interpret,
-    )
+    arrays, config = state.kernel_args(cache)
+    return kivi_decode_attention_gpu(q, *arrays, **config, tuning=tuning, interpret=interpret)

@@ -1,0 +1,58 @@
+"""What the fused kernels read from one layer's KiviCache (the layout lives in kivi_jax.cache)."""
+
+from __future__ import annotations
+
+import jax
+
+
+def cache_reason(cache) -> str | None:
+    """None if a fused kernel can read `cache` (a plain KiviCache: no mixed-precision side
+    storage), else a sentence saying why not."""
+    from kivi_jax.cache import KiviCache  # imported here: kivi_jax imports the kernels lazily
+
+    if not isinstance(cache, KiviCache):
+        return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
+    if cache.config.mixed:
+        return (
+            "the fused kernels do not support the mixed-precision state yet (kivi2-mix: sinks, "
+            "sliding keys, fine key channels, heavy tokens); impl='auto' uses the reference"
+        )
+    return None
+
+
+def unsupported_reason(cache, *, head_dim: int, dtype, supported) -> str | None:
+    """None if a kernel whose `supported(k_bits=, v_bits=, group_size=, head_dim=, dtype=)`
+    accepts the cache's configuration can read `cache`, else what it does not support."""
+    reason = cache_reason(cache)
+    if reason is not None:
+        return reason
+    cfg = cache.config
+    return supported(
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
+    """(the arrays in the kernels' argument order, the static config as keyword arguments)."""
+    cfg = cache.config
+    arrays = (
+        cache.k_codes,
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_codes,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_residual,
+        cache.v_residual,
+        cache.lengths,
+    )
+    return arrays, dict(
+        k_bits=cfg.k_bits,
+        v_bits=cfg.v_bits,
+        group_size=cfg.group_size,
+        residual_length=cfg.residual_length,
+    )
