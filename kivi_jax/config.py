@@ -126,5 +126,5 @@ KIVI2_MIX = KiviConfig(
     sliding_keys=True,
     fine_key_channels=16,
     heavy_tokens=32,
-    selection=Selection.MASS,
+    selection=Selection.ERROR,
 )

@@ -192,8 +192,8 @@ def test_memory_report_counts_the_side_storage():
     assert report.total_bytes == sum(x.nbytes for x in jax.tree.leaves(caches))
     # Per layer and sequence and KV head, float32: sinks 2 x 4 x 64 x 4 = 2048; fine planes
     # 2048 x 16 x 2 / 8 = 8192 and channel indices 64 groups x 16 = 1024; 32 heavy slots of
-    # 2 x 64 x 4 + 4 + 4 = 520 bytes; ring scores 128 x 4 = 512.
-    assert report.side_bytes == 2 * 2 * 3 * (2048 + 8192 + 1024 + 32 * 520 + 512)
+    # 2 x 64 x 4 + 4 + 4 = 520 bytes (scores by ERROR: no ring scores).
+    assert report.side_bytes == 2 * 2 * 3 * (2048 + 8192 + 1024 + 32 * 520)
     plain = kj.memory_report(_cache(kj.KIVI2, batch=2, max_len=2048, heads=3, head_dim=64,
                                     num_layers=2))  # fmt: skip
     assert report.total_bytes - report.side_bytes == plain.total_bytes
@@ -207,8 +207,13 @@ def test_held_bits_count_the_side_storage():
     assert held.code_bits == 2 * 872 * 2 * 64
     assert held.residual_bits == 2 * 128 * 64 * 32
     assert plain.residual_bits == (104 + 128) * 64 * 32  # keys: l mod R = 104
-    side = 872 * 16 * 2 + 8 * 16 * 872 // 32 + 4 * 2 * 64 * 32 + 32 * (2 * 64 * 32 + 64) + 128 * 32
+    side = 872 * 16 * 2 + 8 * 16 * 872 // 32 + 4 * 2 * 64 * 32 + 32 * (2 * 64 * 32 + 64)
     assert held.side_bits == side
+    mass = dataclasses.replace(kj.KIVI2_MIX, selection=kj.Selection.MASS)
+    ring_scores = 128 * 32  # a float32 score per token in the window
+    assert kj.held_bits(mass, length=1000, head_dim=64, dtype=jnp.float32).side_bits == (
+        side + ring_scores
+    )
     assert held.total_bits == held.code_bits + held.scale_zero_bits + held.residual_bits + side
 
 

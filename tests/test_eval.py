@@ -172,3 +172,19 @@ def test_cli_replot_redraws_the_plots_from_the_json_files_only(tmp_path, capsys)
     assert cli.main(["replot", "--out", str(empty)]) == 2
     err = capsys.readouterr().err
     assert f"kivi-eval: error: no study results (<study>.json) in {empty}" in err
+
+
+def test_cli_quick_mix_writes_the_sweep_and_the_held_out_check(tmp_path):
+    model = str(tmp_path / "tiny.gguf")
+    write_gguf(model, tiny_params(tie_embeddings=False))
+    out = tmp_path / "results"
+    assert cli.main(["mix", "--quick", "--model", model, "--out", str(out)]) == 0
+    r = json.loads((out / "mix.json").read_text())
+    assert list(r["settings"]) == list(studies.mix_candidates(cli.QUICK.mix_budgets))
+    assert r["settings"]["kivi2"]["bytes_vs_kivi2"] == 1.0
+    assert r["settings"]["kivi4"]["bytes_vs_kivi2"] > r["settings"]["error N8"]["bytes_vs_kivi2"]
+    (check,) = r["held_out"]
+    assert check["source"].endswith("GFDL-1.3") and list(check["settings"]) == list(
+        studies.KV_SETTINGS
+    )
+    assert "Held out" in (out / "mix.md").read_text() and (out / "mix.png").stat().st_size > 0
