@@ -113,7 +113,7 @@ MIXED_CONFIGS = [
 ]  # fmt: skip
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     cfg=st.sampled_from(MIXED_CONFIGS),
     n=st.integers(0, 30),
