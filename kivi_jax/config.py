@@ -118,7 +118,7 @@ class KiviConfig:
 
 KIVI2 = KiviConfig(k_bits=2, v_bits=2)
 KIVI4 = KiviConfig(k_bits=4, v_bits=4)
-# KIVI-2 with mixed precision; the defaults are the study's (docs/accuracy.md, "kivi2-mix").
+# KIVI-2 with mixed precision; the defaults are the study's (docs/accuracy.md, "Mixed precision").
 KIVI2_MIX = KiviConfig(
     k_bits=2,
     v_bits=2,

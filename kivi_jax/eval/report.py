@@ -64,7 +64,7 @@ def _ppl_md(r: dict) -> str:
         f"Text: `{r['source']}`, {r['windows']} window(s) of {r['window']} tokens, "
         f"{r['scored_tokens']} tokens scored; cache dtype {r['cache_dtype']}.\n\n"
     )
-    s += "Streaming cache (teacher-forced, exact equivalent of decoding through the cache):\n\n"
+    s += "Streaming cache (teacher-forced; decoding through the cache up to float rounding):\n\n"
     s += _table(
         ["KV", "ppl", "vs fp"],
         [[n, f"{x['ppl']:.3f}", f"{x['ppl'] / fp - 1:+.2%}"] for n, x in r["streaming"].items()],

@@ -8,9 +8,10 @@ causal, query head n reading KV head n // (N // H), padded keys (t >= lengths[b]
 
 - `StreamingAttention(config)`: query i sees exactly what the streaming KIVI cache holds after
   token i was appended (keys [0, Qk) and values [0, Pv) quantized, the rest full precision), so one
-  forward pass equals teacher-forced decoding through the cache. This works because a token's
-  quantized key (its group of G tokens, formed at a flush) and quantized value (formed when it
-  leaves the window) never change once made.
+  forward pass attends over the K/V of teacher-forced decoding through the cache (equal up to
+  float rounding, which can flip 2-bit roundings in later layers: docs/accuracy.md). This works
+  because a token's quantized key (its group of G tokens, formed at a flush) and quantized value
+  (formed when it leaves the window) never change once made.
   For a mixed-precision config (kivi_jax.cache: sinks, sliding keys, fine key channels,
   heavy tokens) query i also sees the sinks and the heavy tokens chosen by then in full
   precision: the heavy tokens' scores are a function of the tokens (Selection.ERROR) or of the
