@@ -25,12 +25,13 @@ from kivi_jax.attention import decode_attention, decode_attention_reference
 from kivi_jax.cache import (
     FullCache,
     KiviCache,
+    MixedState,
     append,
     dequantize,
     init_cache,
     prefill,
 )
-from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig, Selection
 from kivi_jax.generate import TokenStream, generate, generate_text
 from kivi_jax.loading import Model, ModelLoadError, Tokenizer, load_model, save_model
 from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
@@ -47,6 +48,7 @@ except PackageNotFoundError:  # a source checkout on sys.path (as the GPU script
 
 __all__ = [
     "KIVI2",
+    "KIVI2_MIX",
     "KIVI4",
     "FullCache",
     "HeldBits",
@@ -55,8 +57,10 @@ __all__ = [
     "LlamaConfig",
     "LlamaParams",
     "MemoryReport",
+    "MixedState",
     "Model",
     "ModelLoadError",
+    "Selection",
     "TokenStream",
     "Tokenizer",
     "append",

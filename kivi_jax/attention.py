@@ -90,7 +90,8 @@ def decode_attention(
         support the configuration), "pallas_tpu" (the fused TPU kernel, likewise) or "auto":
         on a GPU the fused kernel for a KiviCache it supports and cuDNN's attention for a
         bfloat16/float16 FullCache, on a TPU the TPU kernel where it applies, else the
-        reference.
+        reference. A mixed-precision cache (`config.mixed`, e.g. kivi2-mix) always goes to
+        the reference: neither kernel supports it yet.
       interpret: run a Pallas kernel in interpret mode (CPU tests).
 
     Returns:

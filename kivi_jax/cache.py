@@ -43,6 +43,50 @@ writes the new token's ring slots, its leaving value's codes and, every G tokens
 Key groups start at token 0 of each sequence, and every quantized group consists of that
 sequence's own tokens (padding of a ragged batch never enters a min or max).
 
+Mixed precision (`KiviConfig` with sinks, sliding_keys, fine_key_channels or heavy_tokens, e.g.
+KIVI2_MIX; plain configs hold `side=None` and are exactly the layout above). S sinks,
+F fine key channels, N heavy tokens, b = k_bits; `side` (a `MixedState`) holds
+
+    sink_k, sink_v  dtype   [B, H, S, D]       tokens [0, min(l, S)) as they arrived (slot t)
+    fine_codes      uint8   [B, H, C // kpb, F] low b bits of the fine channels' codes
+    fine_channels   uint8   [B, H, C // G, F]   each key group's F fine channels, ascending
+    heavy_k, heavy_v dtype  [B, H, N, D]       the heavy tokens' keys and values, by position
+    heavy_pos       int32   [B, H, N]          their positions, -1 for an empty slot (at the end)
+    heavy_score     float32 [B, H, N]          their scores, -inf for an empty slot
+    ring_score      float32 [B, H, R]          (selection MASS) mass received so far by the
+                                               ring's tokens, token t in slot t % R
+
+(a part whose size is 0 is None). What attention reads for token t of a sequence of length l:
+
+    t < S                      sink_k / sink_v (full precision)
+    t >= Qk (keys), >= Pv (v)  the rings; with sliding_keys Qk = Pv = max(l - R, 0)
+    t in heavy_pos             heavy_k / heavy_v (full precision)
+    otherwise                  the codes
+
+- Sinks: the first key group's scale and zero are taken over its tokens [S, G) (the sinks'
+  own codes in it encode token S and are never read).
+- Fine key channels: in every key group, the F channels of widest range (max - min over the
+  group's non-sink tokens; ties to the lower channel) are quantized with 2b bits, code
+  q = hi * 2^b + lo: hi goes into k_codes, lo into fine_codes, and k_scale holds 2^b * s
+  (s the 2b-bit step), so k_codes, k_scale and k_zero alone read as a coarse b-bit key and
+  lo * k_scale / 2^b refines it. Dequantized: q * (k_scale / 2^b) + k_zero.
+- Heavy tokens: a token t >= S is a candidate when it leaves the value window (when token
+  t + R arrives); its full-precision key and value are read from the rings before the slots
+  are overwritten. The slots hold the N best candidates so far by (score descending,
+  position ascending) in position order; a token pushed out falls back to its codes.
+  Its score (config.selection): ERROR, ||k - k'||^2 + ||v - v'||^2 (k' its key as the codes
+  read it, v' its 2-bit value), summed in a fixed order; MASS, the attention mass it received
+  from its own and the next R - 1 queries, each query's softmax taken over the
+  full-precision keys it sees (the sinks and the window [i + 1 - R, i]) and summed over the
+  query heads of its KV head. MASS needs the queries: `prefill(..., q=)`, `append(..., q=)`.
+
+With ERROR (or no heavy tokens) every entry is still zero, a constant or a function of the
+tokens, and prefill equals appends bit-identically. With MASS the scores are a function of the
+tokens and the queries: given the same queries, prefill and appends differ only in the order in
+which a token's R contributions are summed (float rounding), so a near tie between two
+candidates could go the other way; and in the model a prefill's queries come from the
+full-precision prompt pass while decoding's come from the cache, so their scores differ.
+
 `FullCache` stores k, v [B, max_len, H, D], token-major as cuDNN's attention reads them.
 
 Capacity: outside jit, a write past max_len raises ValueError. Under jit the lengths are not known
@@ -69,6 +113,37 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
+        "sink_k",
+        "sink_v",
+        "fine_codes",
+        "fine_channels",
+        "heavy_k",
+        "heavy_v",
+        "heavy_pos",
+        "heavy_score",
+        "ring_score",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class MixedState:
+    """The mixed-precision side storage of one layer's KiviCache (module doc); parts of size 0
+    are None."""
+
+    sink_k: jax.Array | None
+    sink_v: jax.Array | None
+    fine_codes: jax.Array | None
+    fine_channels: jax.Array | None
+    heavy_k: jax.Array | None
+    heavy_v: jax.Array | None
+    heavy_pos: jax.Array | None
+    heavy_score: jax.Array | None
+    ring_score: jax.Array | None
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
         "k_codes",
         "k_scale",
         "k_zero",
@@ -79,12 +154,14 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
         "v_residual",
         "lengths",
         "overflow",
+        "side",
     ],
     meta_fields=["config", "max_len"],
 )
 @dataclasses.dataclass(frozen=True)
 class KiviCache:
-    """KIVI quantized KV state of one layer; layout: module doc."""
+    """KIVI quantized KV state of one layer; layout: module doc. `side` is None for a plain
+    config and the MixedState of a mixed-precision one."""
 
     k_codes: jax.Array
     k_scale: jax.Array
@@ -98,6 +175,7 @@ class KiviCache:
     overflow: jax.Array
     config: KiviConfig
     max_len: int
+    side: MixedState | None = None
 
     @property
     def dtype(self):
@@ -218,14 +296,44 @@ def init_cache(
             v_residual=((*lead, r, head_dim), dtype),
         )
     shapes.update(lengths=((batch,), jnp.int32), overflow=((batch,), jnp.bool_))
+    side_shapes = {} if config is None else _side_shapes(config, lead, cap, head_dim, dtype)
 
     def one():
         arrays = {name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()}
         if config is None:
             return FullCache(**arrays, max_len=max_len)
-        return KiviCache(**arrays, config=config, max_len=max_len)
+        side = None
+        if config.mixed:
+            fill = dict(heavy_pos=-1, heavy_score=-jnp.inf)
+            parts = {
+                name: None if spec is None else jnp.full(spec[0], fill.get(name, 0), spec[1])
+                for name, spec in side_shapes.items()
+            }
+            side = MixedState(**parts)
+        return KiviCache(**arrays, config=config, max_len=max_len, side=side)
 
     return one() if num_layers is None else tuple(one() for _ in range(num_layers))
+
+
+def _side_shapes(config: KiviConfig, lead, cap: int, head_dim: int, dtype) -> dict:
+    """{MixedState field: (shape, dtype) or None where that part has size 0}."""
+    s, f, n = config.sinks, config.fine_key_channels, config.heavy_tokens
+    if f and head_dim > 256:
+        raise ValueError(f"fine_key_channels needs head_dim <= 256 (uint8 indices), got {head_dim}")
+    kpb = quantization.codes_per_byte(config.k_bits)
+    g, r = config.group_size, config.residual_length
+    some = lambda cond, shape, dt: (shape, dt) if cond else None
+    return dict(
+        sink_k=some(s, (*lead, s, head_dim), dtype),
+        sink_v=some(s, (*lead, s, head_dim), dtype),
+        fine_codes=some(f, (*lead, cap // kpb, f), jnp.uint8),
+        fine_channels=some(f, (*lead, cap // g, f), jnp.uint8),
+        heavy_k=some(n, (*lead, n, head_dim), dtype),
+        heavy_v=some(n, (*lead, n, head_dim), dtype),
+        heavy_pos=some(n, (*lead, n), jnp.int32),
+        heavy_score=some(n, (*lead, n), jnp.float32),
+        ring_score=some(config.needs_queries, (*lead, r), jnp.float32),
+    )
 
 
 def check_cache(cache) -> None:
@@ -264,7 +372,14 @@ def _check_kv(cache: Cache, k: jax.Array, v: jax.Array, *, step: bool) -> None:
         )
 
 
-def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None) -> Cache:
+def prefill(
+    cache: Cache,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    q: jax.Array | None = None,
+) -> Cache:
     """Adds a chunk of tokens to every sequence.
 
     Args:
@@ -272,13 +387,18 @@ def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None 
       k, v: [batch, seq, kv_heads, head_dim], cast to the cache dtype.
       lengths: [batch] ints, how many of the `seq` positions of each row are real (right padding);
         default: all of them.
+      q: [batch, seq, q_heads, head_dim], the tokens' queries: needed by a mixed-precision
+        cache whose heavy tokens are chosen by attention mass (`config.needs_queries`),
+        ignored otherwise.
 
     Returns:
       The cache holding the new tokens after the old ones: exactly the state that appending them
-      one at a time would give (chunked prefill, multi-turn chat).
+      one at a time would give (chunked prefill, multi-turn chat); with heavy tokens chosen by
+      MASS, up to the rounding of the scores (module doc).
     """
     check_cache(cache)
     _check_kv(cache, k, v, step=False)
+    q = _check_q(cache, q, k, step=False)
     seq = k.shape[1]
     if lengths is None:
         counts = jnp.full((cache.batch,), seq, jnp.int32)
@@ -297,16 +417,26 @@ def prefill(cache: Cache, k: jax.Array, v: jax.Array, lengths: jax.Array | None 
                     f"{np.asarray(counts)[bad].tolist()}"
                 )
         counts = jnp.clip(counts.astype(jnp.int32), 0, seq)
-    return _extend(cache, k, v, counts)
+    return _extend(cache, k, v, counts, q)
 
 
-def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = None) -> Cache:
+def append(
+    cache: Cache,
+    k: jax.Array,
+    v: jax.Array,
+    active: jax.Array | None = None,
+    *,
+    q: jax.Array | None = None,
+) -> Cache:
     """Adds one decode step's key and value to every active sequence.
 
     Args:
       cache: one layer's cache.
       k, v: [batch, kv_heads, head_dim].
       active: [batch] bools; rows that are False are left untouched. Default: all rows.
+      q: [batch, q_heads, head_dim], this step's query: needed when `config.needs_queries`
+        (heavy tokens chosen by attention mass; the mass of this query is added to the window's
+        tokens), ignored otherwise.
 
     Returns:
       The updated cache, any flush included (the order of KIVI's Algorithm 1: decode_attention
@@ -314,6 +444,9 @@ def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = 
     """
     check_cache(cache)
     _check_kv(cache, k, v, step=True)
+    q = _check_q(cache, q, k, step=True)
+    if q is not None:
+        q = q[:, None]
     if active is None:
         counts = jnp.ones((cache.batch,), jnp.int32)
     else:
@@ -324,11 +457,34 @@ def append(cache: Cache, k: jax.Array, v: jax.Array, active: jax.Array | None = 
                 f"{active.dtype}{list(active.shape)}"
             )
         counts = active.astype(jnp.int32)
-    return _extend(cache, k[:, None], v[:, None], counts)
+    return _extend(cache, k[:, None], v[:, None], counts, q)
 
 
-def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
-    """Appends counts[b] tokens of k, v [B, S, H, D] to each row b."""
+def _check_q(cache: Cache, q, k: jax.Array, *, step: bool):
+    """The queries if the cache needs them (checked), else None."""
+    if not (isinstance(cache, KiviCache) and cache.config.needs_queries):
+        return None
+    what = "append" if step else "prefill"
+    if q is None:
+        raise ValueError(
+            f"{what}: this cache chooses its heavy tokens by attention mass "
+            f"(selection=Selection.MASS): pass the queries, {what}(..., q=q)"
+        )
+    want = k.shape[:-2]
+    if q.ndim != k.ndim or q.shape[:-2] != want or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{what}: q of shape {q.shape} does not match k of shape {k.shape} (expected "
+            f"[{', '.join(map(str, want))}, q_heads, {k.shape[-1]}])"
+        )
+    if q.shape[-2] % cache.num_kv_heads:
+        raise ValueError(
+            f"{what}: q_heads={q.shape[-2]} must be a multiple of kv_heads={cache.num_kv_heads}"
+        )
+    return q
+
+
+def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q=None) -> Cache:
+    """Appends counts[b] tokens of k, v [B, S, H, D] (queries q [B, S, N, D]) to each row b."""
     if _is_concrete(cache.lengths, counts):
         new = np.asarray(cache.lengths) + np.asarray(counts)
         bad = np.flatnonzero(new > cache.max_len)
@@ -337,11 +493,11 @@ def _extend(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cach
                 f"cache capacity exceeded: max_len={cache.max_len}, but rows {bad.tolist()} "
                 f"would hold {new[bad].tolist()} tokens"
             )
-    return _extend_jit(cache, k, v, counts)
+    return _extend_jit(cache, k, v, counts, q)
 
 
 @jax.jit
-def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> Cache:
+def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) -> Cache:
     old = cache.lengths
     fits = jnp.minimum(counts, cache.max_len - old)
     new = old + fits
@@ -352,7 +508,8 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array) -> 
         updates = dict(k=_scatter(cache.k, pos, k, axis=1), v=_scatter(cache.v, pos, v, axis=1))
     else:
         # [B, S, H, D] -> [B, H, S, D], the quantized cache's heads-major order.
-        updates = _extend_kivi(cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old, new)
+        swap = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)
+        updates = _extend_kivi(cache, swap(k), swap(v), old, new, swap(q))
     return dataclasses.replace(
         cache, **updates, lengths=new, overflow=cache.overflow | (fits < counts)
     )
@@ -385,24 +542,187 @@ def _gather(buf: jax.Array, index: jax.Array) -> jax.Array:
     )
 
 
-def _ring_step(ring, new, start, old, width: int, keep):
-    """One pass over a ring (token t at slot t % R): reads the window of tokens
+def _ring_step(ring, new, windows, old, keep):
+    """One pass over a ring (token t at slot t % R): reads windows of tokens
     [start, start + width) (those below `old` from the ring, the rest from the new tokens) and
     writes the new tokens where `keep`, reading the ring once.
 
-    ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...), start and old [B],
-    keep [B, S] -> (window [B, H, width, D], the updated ring).
+    ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...), windows a list of
+    (start [B], width), old [B], keep [B, S] -> ([window [B, H, width, D], ...], the updated
+    ring). Window tokens below 0 read whatever their slot holds (the caller masks them).
     """
-    j = start[:, None] + jnp.arange(width)  # [B, width] the window's tokens
+    js = [start[:, None] + jnp.arange(width) for start, width in windows]  # [B, width] each
     t = old[:, None] + jnp.arange(new.shape[2])  # [B, S] the new tokens
     slot = t % ring.shape[2]
-    read = _gather(ring, jnp.concatenate([j % ring.shape[2], slot], axis=1))
-    from_new = _gather(new, jnp.clip(j - old[:, None], 0, new.shape[2] - 1))
-    window = jnp.where((j < old[:, None])[:, None, :, None], read[:, :, :width], from_new)
+    read = _gather(ring, jnp.concatenate([j % ring.shape[2] for j in js] + [slot], axis=1))
+    outs, at = [], 0
+    for j in js:
+        from_new = _gather(new, jnp.clip(j - old[:, None], 0, new.shape[2] - 1))
+        width = j.shape[1]
+        outs.append(
+            jnp.where((j < old[:, None])[:, None, :, None], read[:, :, at : at + width], from_new)
+        )
+        at += width
     # The written values depend on the read (a slot not written keeps its old contents), so
     # XLA orders the read first and updates the ring in place instead of copying it.
-    values = jnp.where(keep[:, None, :, None], new, read[:, :, width:])
-    return window, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
+    values = jnp.where(keep[:, None, :, None], new, read[:, :, at:])
+    return outs, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
+
+
+def _ordered_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed tree of pairwise adds (the same rounding whatever the
+    other axes: prefill and appends score a token identically)."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
+    """[..., F] values at channel indices [..., F] -> [..., d], zero elsewhere."""
+
+    def one(xx, cc):
+        return jnp.zeros((d,), xx.dtype).at[cc.astype(jnp.int32)].set(xx)
+
+    for _ in range(x.ndim - 1):
+        one = jax.vmap(one)
+    return one(x, channels)
+
+
+def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
+    """Key groups of a window win [B, H, W, D] (tokens g0 + j, groups aligned to g0).
+
+    Returns (codes [B, H, W, D] uint8 unpacked, scale, zero [B, H, W // G, D], fine_lo
+    [B, H, W, F] uint8 or None, fine_channels [B, H, W // G, F] uint8 or None): plain KIVI
+    group quantization, with the mixed layout's sinks and fine channels (module doc).
+    """
+    b, g, f = cfg.k_bits, cfg.group_size, cfg.fine_key_channels
+    w = win.shape[2]
+    if cfg.sinks:  # the sinks take token S's key: the first group's range is over [S, G)
+        j = jnp.arange(w)
+        src = jnp.where(g0[:, None] + j < cfg.sinks, cfg.sinks - g0[:, None], j)
+        win = _gather(win, jnp.clip(src, 0, w - 1))
+    codes, scale, zero = quantization.quantize(win, b, g, axis=2, dtype=dtype)
+    if not f:
+        return codes, scale, zero, None, None
+    fine, fine_scale, _ = quantization.quantize(win, 2 * b, g, axis=2, dtype=dtype)
+    grouped = win.astype(jnp.float32).reshape(*win.shape[:2], w // g, g, win.shape[3])
+    spread = jnp.max(grouped, axis=3) - jnp.min(grouped, axis=3)  # [B, H, W // G, D]
+    channels = jnp.sort(jax.lax.top_k(spread, f)[1], axis=-1)  # [B, H, W // G, F]
+    is_fine = _put_channels(jnp.ones(channels.shape, bool), channels, win.shape[3])
+    per_token = lambda x: jnp.repeat(x, g, axis=2)
+    codes = jnp.where(per_token(is_fine), fine >> b, codes)
+    scale = jnp.where(is_fine, fine_scale * (1 << b), scale)  # exact: a power of two
+    lo = jnp.take_along_axis(fine & ((1 << b) - 1), per_token(channels), axis=3)
+    return codes, scale, zero, lo, channels.astype(jnp.uint8)
+
+
+def _keys_at(cfg: KiviConfig, arrays: dict, pos: jax.Array) -> jax.Array:
+    """The keys at positions pos [B, J] as the codes read them: float32 [B, H, J, D]."""
+    b, g = cfg.k_bits, cfg.group_size
+    kpb = quantization.codes_per_byte(b)
+    mask = (1 << b) - 1
+    byte, group = pos // kpb, pos // g
+    shift = ((pos % kpb) * b).astype(jnp.uint8)[:, None, :, None]
+    code = (_gather(arrays["k_codes"], byte) >> shift) & mask  # [B, H, J, D]
+    scale = _gather(arrays["k_scale"], group).astype(jnp.float32)
+    zero = _gather(arrays["k_zero"], group).astype(jnp.float32)
+    if arrays.get("fine_codes") is None:
+        return code.astype(jnp.float32) * scale + zero
+    lo = (_gather(arrays["fine_codes"], byte) >> shift) & mask  # [B, H, J, F]
+    channels = _gather(arrays["fine_channels"], group)
+    d = scale.shape[-1]
+    return _fine_dequantize(code, scale, zero, lo, channels, b, d)
+
+
+def _fine_dequantize(code, scale, zero, lo, channels, bits: int, d: int) -> jax.Array:
+    """code * scale + zero, the fine channels as (code * 2^b + lo) * (scale / 2^b) + zero."""
+    is_fine = _put_channels(jnp.ones(channels.shape, bool), channels, d)
+    lo_full = _put_channels(lo, channels, d).astype(jnp.int32)
+    full = jnp.where(is_fine, code.astype(jnp.int32) * (1 << bits) + lo_full, code)
+    step = jnp.where(is_fine, scale / (1 << bits), scale)
+    return full.astype(jnp.float32) * step + zero
+
+
+def _window_mass(cfg, q, k_band, sink_k, old, new):
+    """The attention mass the new queries give the tokens of their windows (Selection.MASS).
+
+    q [B, N, S, D] (queries of tokens old + m), k_band [B, H, R + S, D] (tokens old - R + e),
+    sink_k [B, H, S_sinks, D] or None -> float32 [B, H, R + S]: for token old - R + e, the sum
+    over the real queries i that see it in their window [i + 1 - R, i] of the query's softmax
+    over the full-precision keys it sees (the sinks and the window), summed over query heads.
+    Queries go in blocks of min(S, R), each against the R + block band of keys it can see.
+    """
+    r = cfg.residual_length
+    bsz, n, seq, d = q.shape
+    h = k_band.shape[1]
+    rep = n // h
+    bq = max(min(seq, r), 1)
+    nb = max(-(-seq // bq), 1)
+    pad = nb * bq - seq
+    qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    qf = qf.reshape(bsz, h, rep, nb, bq, d)
+    kf = jnp.pad(k_band.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    idx = jnp.arange(nb)[:, None] * bq + jnp.arange(r + bq)  # [nb, R + bq] band positions
+    kb = jnp.take(kf, idx, axis=2)  # [B, H, nb, R + bq, D]
+    hi = jax.lax.Precision.HIGHEST
+    scale = 1.0 / np.sqrt(d)
+    logits = jnp.einsum("bhrnqd,bhnkd->bhrnqk", qf, kb, precision=hi) * scale
+    m = jnp.arange(nb)[:, None] * bq + jnp.arange(bq)  # [nb, bq] query offsets
+    e = idx[:, None, :]  # [nb, 1, R + bq]
+    real = (old[:, None, None] + m[None] < new[:, None, None])[:, :, :, None]  # [B, nb, bq, 1]
+    seen = (e >= m[:, :, None] + 1) & (e <= m[:, :, None] + r)  # [nb, bq, R + bq]
+    seen = seen[None] & (old[:, None, None, None] - r + e[None] >= 0) & real  # [B, nb, bq, K]
+    seen = seen[:, None, None]  # [B, 1, 1, nb, bq, R + bq]
+    parts = [jnp.where(seen, logits, -jnp.inf)]
+    if sink_k is not None:
+        sl = jnp.einsum("bhrnqd,bhsd->bhrnqs", qf, sink_k.astype(jnp.float32), precision=hi)
+        i = old[:, None, None, None] + m[None, :, :, None]  # [B, nb, bq, 1] query tokens
+        s_ = jnp.arange(sink_k.shape[2])
+        sink_seen = (s_ <= i) & (s_ < i + 1 - r) & real  # not already in the window
+        parts.append(jnp.where(sink_seen[:, None, None], sl * scale, -jnp.inf))
+    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1, keepdims=True) for x in parts])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    exps = [jnp.exp(x - top) for x in parts]
+    denom = sum(jnp.sum(x, axis=-1, keepdims=True) for x in exps)
+    p = exps[0] / jnp.where(denom > 0, denom, 1.0)  # [B, H, rep, nb, bq, R + bq]
+    per_block = jnp.sum(p, axis=(2, 4))  # [B, H, nb, R + bq]
+    out = jnp.zeros((bsz, h, r + nb * bq), jnp.float32).at[:, :, idx].add(per_block)
+    return out[:, :, : r + seq]
+
+
+def _merge_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, n: int):
+    """The N best of the heavy slots and the candidates, in position order (module doc).
+
+    cand_* [B, H, J(, D)] the candidates (positions above every slot's), valid [B, H, J].
+    """
+    pos = jnp.concatenate([side.heavy_pos, cand_pos], axis=2)  # [B, H, N + J]
+    score = jnp.concatenate([side.heavy_score, cand_score], axis=2)
+    ok = jnp.concatenate([side.heavy_pos >= 0, valid], axis=2)
+    kk = jnp.concatenate([side.heavy_k, cand_k.astype(side.heavy_k.dtype)], axis=2)
+    vv = jnp.concatenate([side.heavy_v, cand_v.astype(side.heavy_v.dtype)], axis=2)
+    iota = jnp.broadcast_to(jnp.arange(pos.shape[2], dtype=jnp.int32), pos.shape)
+    big = np.iinfo(np.int32).max
+    # Best first: valid, then score descending, then position ascending.
+    *_, ranked = jax.lax.sort(
+        ((~ok).astype(jnp.int32), jnp.where(ok, -score, 0.0), jnp.where(ok, pos, big), iota),
+        dimension=2,
+        num_keys=3,
+    )
+    best = ranked[:, :, :n]
+    kept = _put_channels(jnp.ones(best.shape, bool), best, pos.shape[2]) & ok
+    # The kept ones in position order (the concatenation is in position order).
+    order = jnp.argsort(~kept, axis=2, stable=True)[:, :, :n]  # [B, H, N]
+    filled = jnp.arange(n) < jnp.sum(kept, axis=2, keepdims=True)
+    take = lambda x: jnp.take_along_axis(x, order, axis=2)
+    take_rows = lambda x: jnp.take_along_axis(x, order[..., None], axis=2)
+    return dict(
+        heavy_pos=jnp.where(filled, take(pos), -1),
+        heavy_score=jnp.where(filled, take(score), -jnp.inf),
+        heavy_k=jnp.where(filled[..., None], take_rows(kk), 0),
+        heavy_v=jnp.where(filled[..., None], take_rows(vv), 0),
+    )
 
 
 def _extend_kivi(
@@ -411,33 +731,43 @@ def _extend_kivi(
     v: jax.Array,  # [B, H, S, D]
     old: jax.Array,  # [B] lengths before
     new: jax.Array,  # [B] lengths after
+    q: jax.Array | None = None,  # [B, N, S, D] queries (config.needs_queries)
 ) -> dict[str, jax.Array]:
     """The arrays with the new tokens written: only their entries change (module doc)."""
     cfg = cache.config
     g, r, dtype = cfg.group_size, cfg.residual_length, cache.dtype
     seq = k.shape[2]
     kpb = quantization.codes_per_byte(cfg.k_bits)
+    side = cache.side
+    heavy = cfg.heavy_tokens > 0
 
     # Both rings take the new tokens that are among the last R, each at its slot t % R.
     t = old[:, None] + jnp.arange(seq)  # [B, seq]
     keep = (t < new[:, None]) & (t >= new[:, None] - r)
+    # Values: the tokens [p0, p1) leave the window (p1 - p0 <= seq).
+    p0, p1 = jnp.maximum(old - r, 0), jnp.maximum(new - r, 0)
 
     # Keys: the groups from g0, the start of the group the old tokens left open (its first
     # old - g0 < G tokens are in the ring), to `done`, the end of the complete groups.
+    # A mixed cache also reads the leaving tokens' keys and the window the queries see.
     g0, done = old - old % g, new - new % g
     width = _round_up(g - 1 + seq, g)
-    win, k_ring = _ring_step(cache.k_residual, k, g0, old, width, keep)  # [B, H, width, D]
-    codes, k_scale, k_zero = quantization.quantize(win, cfg.k_bits, g, axis=2, dtype=dtype)
+    windows = [(g0, width)]
+    if heavy:
+        windows.append((p0, seq))
+    if cfg.needs_queries:
+        windows.append((old - r, r + seq))
+    k_wins, k_ring = _ring_step(cache.k_residual, k, windows, old, keep)
+    codes, k_scale, k_zero, fine_lo, fine_channels = _quantize_keys(k_wins[0], cfg, g0, dtype)
     k_codes = quantization.pack_codes(codes, cfg.k_bits, axis=2)  # [B, H, width // kpb, D]
     jb, jg = jnp.arange(width // kpb), jnp.arange(width // g)
     byte_pos = _drop_unless(jb * kpb < (done - g0)[:, None], g0[:, None] // kpb + jb)
     group_pos = _drop_unless(jg * g < (done - g0)[:, None], g0[:, None] // g + jg)
 
-    # Values: the tokens [p0, p1) leave the window (p1 - p0 <= seq), read from the ring before
-    # the new tokens take their slots, then from the new tokens.
-    p0, p1 = jnp.maximum(old - r, 0), jnp.maximum(new - r, 0)
-    win, v_ring = _ring_step(cache.v_residual, v, p0, old, seq, keep)  # [B, H, seq, D]
-    codes, v_scale, v_zero = quantization.quantize(win, cfg.v_bits, g, axis=3, dtype=dtype)
+    # Values leaving the window, read from the ring before the new tokens take their slots,
+    # then from the new tokens.
+    (v_win,), v_ring = _ring_step(cache.v_residual, v, [(p0, seq)], old, keep)
+    codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=dtype)
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
     pos = p0[:, None] + jnp.arange(seq)
     out = _drop_unless(pos < p1[:, None], pos)
@@ -451,7 +781,60 @@ def _extend_kivi(
         v_zero=(out, v_zero),
     )
     updated = {name: _scatter(getattr(cache, name), *w, axis=2) for name, w in writes.items()}
-    return updated | dict(k_residual=k_ring, v_residual=v_ring)
+    updated |= dict(k_residual=k_ring, v_residual=v_ring)
+    if side is None:
+        return updated
+
+    parts = {}
+    if cfg.sinks:  # the new tokens below S, at slot t
+        at = _drop_unless((t < cfg.sinks) & (t < new[:, None]), t)
+        parts |= dict(
+            sink_k=_scatter(side.sink_k, at, k.astype(dtype), axis=2),
+            sink_v=_scatter(side.sink_v, at, v.astype(dtype), axis=2),
+        )
+    if fine_lo is not None:
+        parts |= dict(
+            fine_codes=_scatter(
+                side.fine_codes,
+                byte_pos,
+                quantization.pack_codes(fine_lo, cfg.k_bits, axis=2),
+                axis=2,
+            ),
+            fine_channels=_scatter(side.fine_channels, group_pos, fine_channels, axis=2),
+        )
+    if heavy:
+        k_leave = k_wins[1].astype(jnp.float32)  # [B, H, seq, D] tokens p0 + j
+        v_leave = v_win.astype(jnp.float32)
+        leaving = (pos < p1[:, None]) & (pos >= cfg.sinks)  # [B, seq]
+        if cfg.needs_queries:
+            mass = _window_mass(cfg, q, k_wins[2], parts.get("sink_k"), old, new)  # [B, H, R+S]
+            slot_old = jnp.take_along_axis(side.ring_score, pos[:, None, :] % r, axis=2)
+            from_old = jnp.where((pos < old[:, None])[:, None], slot_old, 0.0)
+            e = pos - old[:, None] + r  # band index of the leaving tokens (in [0, R + S))
+            score = from_old + jnp.take_along_axis(mass, jnp.clip(e, 0, r + seq - 1)[:, None], 2)
+            # The ring's tokens after the call: slot s holds token ts (if ts >= 0).
+            ts = new[:, None] - 1 - (new[:, None] - 1 - jnp.arange(r)) % r  # [B, R]
+            kept_old = jnp.where((ts < old[:, None])[:, None], side.ring_score, 0.0)
+            added = jnp.take_along_axis(
+                mass, jnp.clip(ts - old[:, None] + r, 0, r + seq - 1)[:, None], 2
+            )
+            parts["ring_score"] = jnp.where((ts >= 0)[:, None], kept_old + added, 0.0)
+        else:
+            arrays = {**updated, **parts}
+            k_hat = _keys_at(cfg, arrays, jnp.clip(pos, 0, cache.k_codes.shape[2] * kpb - 1))
+            v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3)
+            score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
+        h = k.shape[1]
+        parts |= _merge_heavy(
+            side,
+            k_leave,
+            v_leave,
+            jnp.broadcast_to(pos[:, None], (pos.shape[0], h, seq)),
+            score,
+            jnp.broadcast_to(leaving[:, None], (pos.shape[0], h, seq)),
+            cfg.heavy_tokens,
+        )
+    return updated | dict(side=dataclasses.replace(side, **parts))
 
 
 def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
@@ -466,13 +849,26 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
     else:
         cfg = cache.config
         g, r = cfg.group_size, cfg.residual_length
-        kq = quantization.dequantize(
-            quantization.unpack_codes(cache.k_codes, cfg.k_bits, axis=2),
-            cache.k_scale,
-            cache.k_zero,
-            g,
-            axis=2,
-        )
+        side = cache.side
+        if side is not None and side.fine_codes is not None:
+            rep = lambda x: jnp.repeat(x, g, axis=2)
+            kq = _fine_dequantize(
+                quantization.unpack_codes(cache.k_codes, cfg.k_bits, axis=2),
+                rep(cache.k_scale.astype(jnp.float32)),
+                rep(cache.k_zero.astype(jnp.float32)),
+                quantization.unpack_codes(side.fine_codes, cfg.k_bits, axis=2),
+                rep(side.fine_channels),
+                cfg.k_bits,
+                cache.head_dim,
+            )
+        else:
+            kq = quantization.dequantize(
+                quantization.unpack_codes(cache.k_codes, cfg.k_bits, axis=2),
+                cache.k_scale,
+                cache.k_zero,
+                g,
+                axis=2,
+            )
         vq = quantization.dequantize(
             quantization.unpack_codes(cache.v_codes, cfg.v_bits, axis=3),
             cache.v_scale,
@@ -484,10 +880,36 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
         n = cache.lengths[:, None, None, None]
         k_res = jnp.take(cache.k_residual, t % r, axis=2).astype(jnp.float32)
         v_res = jnp.take(cache.v_residual, t % r, axis=2).astype(jnp.float32)
-        k = jnp.where(t[:, None] < n - n % r, kq, k_res)
-        v = jnp.where(t[:, None] < jnp.maximum(n - r, 0), vq, v_res)
+        pv = jnp.maximum(n - r, 0)
+        qk = pv if cfg.sliding_keys else n - n % r
+        k = jnp.where(t[:, None] < qk, kq, k_res)
+        v = jnp.where(t[:, None] < pv, vq, v_res)
+        if side is not None:
+            k, v = _side_overrides(side, k, v, t)
     held = jnp.arange(k.shape[2])[:, None] < cache.lengths[:, None, None, None]
     return jnp.where(held, k, 0.0), jnp.where(held, v, 0.0)
+
+
+def _side_overrides(side: MixedState, k, v, t):
+    """k, v [B, H, C, D] with the sinks' and heavy tokens' full-precision entries put in."""
+    if side.heavy_pos is not None:
+        c = k.shape[2]
+        at = jnp.where(side.heavy_pos >= 0, side.heavy_pos, c)  # [B, H, N]; c: dropped
+
+        def put(x, rows):  # per (b, h): x [C, D], rows [N, D] at `at`
+            return jax.vmap(jax.vmap(lambda xx, ii, rr: xx.at[ii].set(rr, mode="drop")))(
+                x, at, rows.astype(jnp.float32)
+            )
+
+        k, v = put(k, side.heavy_k), put(v, side.heavy_v)
+    if side.sink_k is not None:
+        s = min(side.sink_k.shape[2], k.shape[2])
+        pad = ((0, 0), (0, 0), (0, k.shape[2] - s), (0, 0))
+        is_sink = (t < s)[:, None]
+        for_t = lambda x: jnp.pad(x[:, :, :s].astype(jnp.float32), pad)
+        k = jnp.where(is_sink, for_t(side.sink_k), k)
+        v = jnp.where(is_sink, for_t(side.sink_v), v)
+    return k, v
 
 
 def dequantize(cache: Cache, dtype=None) -> tuple[jax.Array, jax.Array]:

@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-KV_CHOICES = ("full", "kivi2", "kivi4")
+KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=KV_CHOICES,
         default="kivi2",
         help="KV cache: full precision, or KIVI with 2-bit or 4-bit keys and values (groups of "
-        "32, the last 128 tokens in full precision) (default: kivi2)",
+        "32, the last 128 tokens in full precision), or kivi2-mix: KIVI-2 that keeps the first "
+        "tokens and the most attended ones in full precision (default: kivi2)",
     )
     p.add_argument(
         "--max-new-tokens",

@@ -1,10 +1,26 @@
-"""KiviConfig: the static settings of a KIVI cache."""
+"""KiviConfig: the static settings of a KIVI cache (plain or mixed-precision)."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 SUPPORTED_BITS = (2, 4, 8)
+
+
+class Selection(enum.Enum):
+    """The score by which a mixed-precision cache picks its important tokens (kivi_jax.cache).
+
+    MASS: the attention mass a token receives while in the full-precision window (its own and
+      the next R - 1 queries; each query's softmax over the full-precision keys it sees, the
+      sinks and the window, summed over the query heads of the KV head). Needs the queries:
+      `prefill(..., q=)` and `append(..., q=)`.
+    ERROR: the token's own quantization error, ||k - k'||^2 + ||v - v'||^2 (a function of the
+      token and its key group only).
+    """
+
+    MASS = "mass"
+    ERROR = "error"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,12 +34,39 @@ class KiviConfig:
         consecutive channels of one token. G must divide head_dim (checked when a cache is made).
       residual_length: R, a positive multiple of G. Keys keep the last (l mod R) tokens in full
         precision and are quantized R at a time; values keep the last min(l, R) tokens.
+
+    Mixed precision (all off by default: plain KIVI; kivi_jax.cache's module doc has the layout):
+      sinks: S < G, the first S tokens of each sequence kept in full precision (keys and
+        values), and left out of the range of the first key group.
+      sliding_keys: keys read from the ring for the last min(l, R) tokens, like values (instead
+        of the last l mod R): keys and values leave the window together, one at a time.
+      fine_key_channels: F < head_dim. In each key group, the F channels of widest range (over
+        the group's non-sink tokens) are quantized with 2 * k_bits bits: the high k_bits in
+        the usual codes, the low k_bits in a second plane.
+      heavy_tokens: N, a per-sequence (per KV head) budget of tokens kept in full precision
+        after they leave the window: the N highest-scoring of those that have left.
+      selection: the score of the heavy tokens (Selection).
     """
 
     k_bits: int = 2
     v_bits: int = 2
     group_size: int = 32
     residual_length: int = 128
+    sinks: int = 0
+    sliding_keys: bool = False
+    fine_key_channels: int = 0
+    heavy_tokens: int = 0
+    selection: Selection = Selection.MASS
+
+    @property
+    def mixed(self) -> bool:
+        """Whether any mixed-precision feature is on (the fused kernels support none yet)."""
+        return bool(self.sinks or self.sliding_keys or self.fine_key_channels or self.heavy_tokens)
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether prefill and append need the queries (heavy tokens chosen by MASS)."""
+        return self.heavy_tokens > 0 and self.selection is Selection.MASS
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -41,6 +84,24 @@ class KiviConfig:
                 f"KiviConfig.residual_length must be a positive multiple of "
                 f"group_size={g}, got {r!r}"
             )
+        for name in ("sinks", "fine_key_channels", "heavy_tokens"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"KiviConfig.{name} must be a non-negative int, got {n!r}")
+        if self.sinks >= g:
+            raise ValueError(
+                f"KiviConfig.sinks={self.sinks} must be below group_size={g} (the first key "
+                f"group's range is taken over its other tokens)"
+            )
+        if self.fine_key_channels and 2 * self.k_bits > 8:
+            raise ValueError(
+                f"KiviConfig.fine_key_channels needs k_bits of 2 or 4 (fine codes have "
+                f"2 * k_bits bits), got k_bits={self.k_bits}"
+            )
+        if not isinstance(self.sliding_keys, bool):
+            raise ValueError(f"KiviConfig.sliding_keys must be a bool, got {self.sliding_keys!r}")
+        if not isinstance(self.selection, Selection):
+            raise ValueError(f"KiviConfig.selection must be a Selection, got {self.selection!r}")
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError unless group_size divides head_dim (value groups span channels)."""
@@ -49,7 +110,21 @@ class KiviConfig:
                 f"group_size={self.group_size} must divide head_dim={head_dim}: values are "
                 f"quantized per token in groups of group_size channels"
             )
+        if self.fine_key_channels >= head_dim:
+            raise ValueError(
+                f"fine_key_channels={self.fine_key_channels} must be below head_dim={head_dim}"
+            )
 
 
 KIVI2 = KiviConfig(k_bits=2, v_bits=2)
 KIVI4 = KiviConfig(k_bits=4, v_bits=4)
+# KIVI-2 with mixed precision; the defaults are the study's (docs/accuracy.md, "Mixed precision").
+KIVI2_MIX = KiviConfig(
+    k_bits=2,
+    v_bits=2,
+    sinks=4,
+    sliding_keys=True,
+    fine_key_channels=16,
+    heavy_tokens=32,
+    selection=Selection.ERROR,
+)

@@ -24,12 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kivi_jax.cache import init_cache
-from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig
 from kivi_jax.memory import memory_report
 from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
 
-KV_PRESETS: dict[str, KiviConfig | None] = {"full": None, "kivi2": KIVI2, "kivi4": KIVI4}
+KV_PRESETS: dict[str, KiviConfig | None] = {
+    "full": None,
+    "kivi2": KIVI2,
+    "kivi4": KIVI4,
+    "kivi2-mix": KIVI2_MIX,
+}
 PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer recompilations)
 # Decode steps between two checks of whether every row is done (with an EOS). On a GPU each
 # check is a round trip to the host (the loop's condition is read back: gaps of over 2 ms on
@@ -58,7 +63,8 @@ def auto_prefill_rows(params: LlamaParams, cache, width: int) -> int:
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
-    """'full' -> None (the unquantized cache), 'kivi2'/'kivi4' -> presets, a KiviConfig as is."""
+    """'full' -> None (the unquantized cache), 'kivi2'/'kivi4'/'kivi2-mix' -> presets, a
+    KiviConfig as is."""
     if isinstance(kv, KiviConfig):
         return kv
     if isinstance(kv, str) and kv in KV_PRESETS:
@@ -293,7 +299,8 @@ def generate(
     Args:
       params: model weights (their static config gives shapes, context and vocabulary).
       tokens: int [batch, seq] prompts; with `lengths`, right-padded.
-      kv: "full" (unquantized cache in the params dtype), "kivi2", "kivi4" or a KiviConfig.
+      kv: "full" (unquantized cache in the params dtype), "kivi2", "kivi4", "kivi2-mix" (KIVI-2
+        with mixed precision, kivi_jax.KIVI2_MIX) or a KiviConfig.
       max_new_tokens: N, tokens generated per sequence (prompt + N must fit the context).
       temperature, top_k, top_p: sampling (temperature 0: greedy).
       seed: PRNG seed for sampling.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from kivi_jax.cache import Cache, FullCache
@@ -18,7 +19,9 @@ class MemoryReport:
     kv_heads * capacity * head_dim), so bits_per_value_allocated is the cost per value at capacity.
     full_precision_bytes is the baseline, computed one way for both kinds of cache: the
     total_bytes of FullCaches of the same layers, batch, max_len, kv heads, head_dim and dtype (for
-    a FullCache, its own total_bytes).
+    a FullCache, its own total_bytes). side_bytes is a mixed-precision cache's side storage
+    (kivi_jax.cache.MixedState: sinks, fine key planes and channel indices, heavy tokens with
+    positions and scores, ring scores).
     """
 
     codes_bytes: int
@@ -27,10 +30,11 @@ class MemoryReport:
     counters_bytes: int
     full_precision_bytes: int
     capacity_values: int
+    side_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        parts = (self.codes_bytes, self.scales_zeros_bytes, self.residual_bytes)
+        parts = (self.codes_bytes, self.scales_zeros_bytes, self.residual_bytes, self.side_bytes)
         return sum(parts) + self.counters_bytes
 
     @property
@@ -69,6 +73,7 @@ def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
         counters_bytes=counters,
         full_precision_bytes=full_precision_bytes,
         capacity_values=2 * cache.v_codes.size * (8 // cache.config.v_bits),
+        side_bytes=size(*jax.tree.leaves(cache.side)),
     )
 
 
@@ -79,8 +84,12 @@ class HeldBits:
     bits_per_value = total_bits / (2 * length * head_dim) counts the codes, the scales and zero
     points of the quantized tokens and the full-precision residual: the paper's "3 bits at G=32"
     counts only the first two. Of the `length` tokens, the first quantized_keys keys and
-    quantized_values values are quantized (Qk = l - l % R and Pv = max(l - R, 0), kivi_jax.cache),
-    the rest are in the full-precision window; nothing is quantized while l < R.
+    quantized_values values are quantized (Qk = l - l % R, or Pv with sliding_keys, and
+    Pv = max(l - R, 0), kivi_jax.cache), the rest are in the full-precision window; nothing is
+    quantized while l < R. side_bits is a mixed-precision cache's side storage for these tokens:
+    the fine key channels' low planes and channel indices, the sinks, the filled heavy slots
+    (key, value, int32 position, float32 score) and, with Selection.MASS, a float32 score per
+    token in the window.
     """
 
     length: int
@@ -91,10 +100,11 @@ class HeldBits:
     code_bits: int
     scale_zero_bits: int
     residual_bits: int
+    side_bits: int = 0
 
     @property
     def total_bits(self) -> int:
-        return self.code_bits + self.scale_zero_bits + self.residual_bits
+        return self.code_bits + self.scale_zero_bits + self.residual_bits + self.side_bits
 
     @property
     def fp_bits(self) -> int:
@@ -116,13 +126,20 @@ def held_bits(
 ) -> HeldBits:
     """Bits that `length` tokens cost in one sequence's KV head under `config` (None: full)."""
     w = jnp.dtype(dtype).itemsize * 8
+    side = 0
     if config is None:
         qk = pv = 0
         k_bits = v_bits = g = 1
     else:
         g, r = config.group_size, config.residual_length
-        qk, pv = length - length % r, max(length - r, 0)
+        pv = max(length - r, 0)
+        qk = pv if config.sliding_keys else length - length % r
         k_bits, v_bits = config.k_bits, config.v_bits
+        f, n, s = config.fine_key_channels, config.heavy_tokens, config.sinks
+        side += qk * f * k_bits + 8 * f * qk // g  # low planes, channel indices
+        side += min(length, s) * 2 * head_dim * w
+        side += min(n, max(pv - s, 0)) * (2 * head_dim * w + 64)
+        side += 32 * min(length, r) if config.needs_queries else 0
     return HeldBits(
         length=length,
         quantized_keys=qk,
@@ -132,4 +149,5 @@ def held_bits(
         code_bits=(qk * k_bits + pv * v_bits) * head_dim,
         scale_zero_bits=2 * w * (qk + pv) * head_dim // g,
         residual_bits=((length - qk) + (length - pv)) * head_dim * w,
+        side_bits=side,
     )

@@ -12,8 +12,9 @@ compiles each distinct Pallas kernel once however many layers call it.
 Three entry points share the same block code:
   forward         tokens [B, S] -> float32 logits [B, S, V]; causal full-precision attention.
   prefill         the same over a (right-padded) prompt, and each layer's K/V written into its
-                  KV state with `kivi_jax.prefill`; returns the logits of each prompt's last
-                  token.
+                  KV state with `kivi_jax.prefill` (with the queries, which a mixed-precision
+                  state choosing by attention mass reads); returns the logits of each prompt's
+                  last token.
   decode_step     one token per sequence: each layer appends its K/V to the state with
                   `kivi_jax.append`, then attends with `kivi_jax.decode_attention` (full-precision
                   and KIVI states go through this same code).
@@ -321,8 +322,8 @@ def _prefill_all(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cac
     c = params.config
     h, filled = _embed(params, tokens), []
     for lw, cache in zip(params.layers, caches, strict=True):
-        h, _, k, v = _prompt_block(lw, h, lengths, c)
-        filled.append(cache_prefill(cache, k, v, lengths))
+        h, q, k, v = _prompt_block(lw, h, lengths, c)
+        filled.append(cache_prefill(cache, k, v, lengths, q=q))
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
     return _logits(params, last), tuple(filled)
 
@@ -346,7 +347,7 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
     for lw, cache in zip(params.layers, caches, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
-        cache = cache_append(cache, k, v, active=active)
+        cache = cache_append(cache, k, v, active=active, q=q)
         attn = decode_attention(q, cache)  # [B, N, D], includes this token
         h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
         h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))

@@ -51,6 +51,12 @@ def test_streams_the_answer_and_summarizes(tiny_gguf, capsys):
     ), line
 
 
+def test_the_mixed_precision_cache_is_a_kv_choice(tiny_gguf, capsys):
+    argv = ["the theme", "--model", tiny_gguf, "--kv", "kivi2-mix", "--max-new-tokens", "4"]
+    assert main(argv) == 0
+    assert "KV cache (kivi2-mix): " in capsys.readouterr().err
+
+
 def test_sampling_flags_and_no_chat(tiny_gguf, capsys):
     argv = ["the", "--model", tiny_gguf, "--kv", "full", "--max-new-tokens", "6", "--no-chat",
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]  # fmt: skip

@@ -180,15 +180,32 @@ def test_passkey_length_out_of_range_fails_before_anything_runs(smollm_f32, leng
 
 def test_cli_replot_redraws_the_plots_from_the_json_files_only(tmp_path, capsys):
     results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/accuracy"
-    for study in ("ppl", "passkey", "ablate"):  # errors.json: the largest plot, left out for time
+    studies_ = ("ppl", "passkey", "ablate", "mix")  # errors.json: the largest plot, left out
+    for study in studies_:
         shutil.copy(results / f"{study}.json", tmp_path)
     assert cli.main(["replot", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ablate.json", "ablate.png", "passkey.json", "passkey.png", "ppl.json", "ppl.png"
-    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{s}.{ext}" for s in studies_ for ext in ("json", "png")
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     capsys.readouterr()
     assert cli.main(["replot", "--out", str(empty)]) == 2
     err = capsys.readouterr().err
     assert f"kivi-eval: error: no study results (<study>.json) in {empty}" in err
+
+
+def test_cli_quick_mix_writes_the_sweep_and_the_held_out_check(tmp_path):
+    model = str(tmp_path / "tiny.gguf")
+    write_gguf(model, tiny_params(tie_embeddings=False))
+    out = tmp_path / "results"
+    assert cli.main(["mix", "--quick", "--model", model, "--out", str(out)]) == 0
+    r = json.loads((out / "mix.json").read_text())
+    assert list(r["settings"]) == list(studies.mix_candidates(cli.QUICK.mix_budgets))
+    assert r["settings"]["kivi2"]["bytes_vs_kivi2"] == 1.0
+    assert r["settings"]["kivi4"]["bytes_vs_kivi2"] > r["settings"]["error N8"]["bytes_vs_kivi2"]
+    (check,) = r["held_out"]
+    assert check["source"].endswith("GFDL-1.3") and list(check["settings"]) == list(
+        studies.KV_SETTINGS
+    )
+    assert "Held out" in (out / "mix.md").read_text() and (out / "mix.png").stat().st_size > 0

@@ -10,15 +10,18 @@ import kivi_jax as kj
 from kivi_jax.analysis import Grouping
 from kivi_jax.eval import views
 
+MIXED = dict(group_size=4, residual_length=8, sinks=2, fine_key_channels=3, heavy_tokens=3)
 STREAMING_CONFIGS = [
     kj.KiviConfig(group_size=4, residual_length=8),
     kj.KiviConfig(k_bits=4, v_bits=2, group_size=4, residual_length=4),
+    kj.KiviConfig(**MIXED, sliding_keys=True, selection=kj.Selection.MASS),
+    kj.KiviConfig(**MIXED, selection=kj.Selection.ERROR),
 ]
 
 
 @pytest.mark.parametrize("config", STREAMING_CONFIGS)
 def test_streaming_view_equals_teacher_forced_decode_through_the_cache(rng, config):
-    seq, heads, rep, d = 21, 2, 2, 8
+    seq, heads, rep, d = 29, 2, 2, 8
     k, v = random_kv(rng, 1, seq, heads, d, outliers=True)
     q = jnp.asarray(rng.normal(size=(1, seq, heads * rep, d)), jnp.float32)
     view = views.StreamingAttention(config)(q, k, v, jnp.array([seq]))
@@ -26,9 +29,11 @@ def test_streaming_view_equals_teacher_forced_decode_through_the_cache(rng, conf
         config, batch=1, max_len=seq, num_kv_heads=heads, head_dim=d, dtype=jnp.float32
     )
     for i in range(seq):
-        cache = kj.append(cache, k[:, i], v[:, i])
+        cache = kj.append(cache, k[:, i], v[:, i], q=q[:, i])
         step = kj.decode_attention(q[:, i], cache, impl="reference")
         np.testing.assert_allclose(view[:, i], step, rtol=1e-5, atol=1e-5, err_msg=f"query {i}")
+    if config.heavy_tokens:  # 29 - R - S = 19 candidates for 3 slots: some were pushed out
+        assert np.all(np.asarray(cache.side.heavy_pos) >= config.sinks)
 
 
 def test_full_view_is_causal_attention_and_ignores_padding(rng):

@@ -66,7 +66,7 @@ def test_kivi_cache_whose_residual_covers_everything_equals_full(params):
 
 
 @pytest.mark.parametrize(
-    "kv", ["kivi2", "kivi4", KiviConfig(k_bits=2, v_bits=4, residual_length=32)]
+    "kv", ["kivi2", "kivi4", "kivi2-mix", KiviConfig(k_bits=2, v_bits=4, residual_length=32)]
 )
 def test_quantized_caches_run_past_the_residual(params, kv):
     """A 150-token prompt with R = 128 (or 32) quantizes keys and values during prefill and decode.
@@ -78,7 +78,7 @@ def test_quantized_caches_run_past_the_residual(params, kv):
     assert out[0, 0] == full[0, 0]
 
 
-@pytest.mark.parametrize("kv", ["full", "kivi2"])
+@pytest.mark.parametrize("kv", ["full", "kivi2", "kivi2-mix"])
 def test_prompt_in_a_ragged_batch_yields_the_same_tokens_as_alone(params, kv):
     long, short = prompt(150, seed=3), prompt(37, seed=4)
     batch = np.zeros((2, 150), np.int32)

@@ -1,6 +1,7 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
-    kivi-eval ppl|passkey|errors|ablate|all [--out DIR] [--quick] [--text FILE] [--model PATH]
+    kivi-eval ppl|passkey|errors|ablate|mix|all [--out DIR] [--quick] [--text FILE]
+              [--check-text FILE ...] [--model PATH]
     kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
@@ -16,7 +17,7 @@ import platform
 import sys
 import time
 
-STUDIES = ("ppl", "passkey", "errors", "ablate")
+STUDIES = ("ppl", "passkey", "errors", "ablate", "mix")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,11 +28,16 @@ class Sizes:
     window: int
     passkey_lengths: tuple[int, ...]
     depths: tuple[float, ...]
+    keys_per_cell: int
     error_tokens: int
     error_queries: int
     ablate_tokens: int
     ablate_window: int
     ablate_depths: tuple[float, ...]
+    mix_tokens: int
+    mix_window: int
+    mix_check_tokens: int
+    mix_budgets: tuple[int, ...]
     ablate_groups: tuple[int, ...] = (16, 32, 64)
     ablate_residuals: tuple[int, ...] = (64, 128, 256)
 
@@ -41,17 +47,23 @@ FULL = Sizes(
     window=2048,
     passkey_lengths=(1024, 2048, 4096),
     depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    keys_per_cell=4,  # 20 prompts per length
     error_tokens=2048,
     error_queries=64,
     ablate_tokens=1024,  # one window: 10 settings x a 2k window would not fit the hour
     ablate_window=1024,
     ablate_depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    mix_tokens=1024,  # one window: 14 settings x a 2k window would not fit the hour
+    mix_window=1024,
+    mix_check_tokens=2048,
+    mix_budgets=(8, 16, 32, 64),
 )
 QUICK = Sizes(
     ppl_tokens=512,
     window=256,
     passkey_lengths=(1024,),
     depths=(0.2, 0.8),
+    keys_per_cell=2,
     error_tokens=320,
     error_queries=32,
     ablate_tokens=512,
@@ -59,6 +71,10 @@ QUICK = Sizes(
     ablate_depths=(0.5,),
     ablate_groups=(32,),
     ablate_residuals=(64, 128),
+    mix_tokens=256,
+    mix_window=256,
+    mix_check_tokens=256,
+    mix_budgets=(8,),
 )
 
 
@@ -78,7 +94,14 @@ def parse_args(argv):
     )
     p.add_argument("--out", default="eval-results", help="output folder (default: eval-results)")
     p.add_argument("--quick", action="store_true", help="CI-sized runs (minutes, not an hour)")
-    p.add_argument("--text", default=None, help="prose file for ppl/errors/ablate (default GPL-3)")
+    p.add_argument(
+        "--text", default=None, help="prose file for ppl/errors/ablate/mix (default GPL-3)"
+    )
+    p.add_argument(
+        "--check-text", nargs="+", default=None, metavar="FILE",
+        help="mix: prose the settings were not chosen on, where the defaults are checked "
+        "(default GFDL-1.3)",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
     p.add_argument(
         "--passkey-lengths", type=_positive_int, nargs="+", default=None,
@@ -101,8 +124,9 @@ def run(args, log) -> list[pathlib.Path]:
     if args.passkey_lengths:
         sizes = dataclasses.replace(sizes, passkey_lengths=tuple(args.passkey_lengths))
     studies_to_run = STUDIES if args.study == "all" else (args.study,)
-    if args.text is not None and not pathlib.Path(args.text).is_file():
-        raise FileNotFoundError(f"prose file not found: {args.text}")
+    for text in [args.text, *(args.check_text or [])]:
+        if text is not None and not pathlib.Path(text).is_file():
+            raise FileNotFoundError(f"prose file not found: {text}")
     model = (
         kivi_jax.load_model(args.model, dtype=jnp.float32)
         if args.model
@@ -128,11 +152,32 @@ def run(args, log) -> list[pathlib.Path]:
             result = studies.ppl_study(params, ids, source=src, window=sizes.window, log=log)
         elif study == "passkey":
             result = studies.passkey_study(
-                params, tok, lengths=sizes.passkey_lengths, depths=sizes.depths, log=log
+                params,
+                tok,
+                lengths=sizes.passkey_lengths,
+                depths=sizes.depths,
+                keys_per_cell=sizes.keys_per_cell,
+                log=log,
             )
         elif study == "errors":
             ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.error_tokens)
             result = studies.error_study(params, ids, source=src, num_queries=sizes.error_queries)
+        elif study == "mix":
+            ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.mix_tokens)
+            check = [
+                data.prose_tokens(tok, path=path, max_tokens=sizes.mix_check_tokens)
+                for path in (args.check_text or [data.HELD_OUT_PROSE])
+            ]
+            result = studies.mix_study(
+                params,
+                ids,
+                source=src,
+                window=sizes.mix_window,
+                check=check,
+                check_window=sizes.mix_check_tokens,
+                settings=studies.mix_candidates(sizes.mix_budgets),
+                log=log,
+            )
         else:
             ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.ablate_tokens)
             result = studies.ablation_study(

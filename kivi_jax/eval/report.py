@@ -64,7 +64,7 @@ def _ppl_md(r: dict) -> str:
         f"Text: `{r['source']}`, {r['windows']} window(s) of {r['window']} tokens, "
         f"{r['scored_tokens']} tokens scored; cache dtype {r['cache_dtype']}.\n\n"
     )
-    s += "Streaming cache (teacher-forced, exact equivalent of decoding through the cache):\n\n"
+    s += "Streaming cache (teacher-forced; decoding through the cache up to float rounding):\n\n"
     s += _table(
         ["KV", "ppl", "vs fp"],
         [[n, f"{x['ppl']:.3f}", f"{x['ppl'] / fp - 1:+.2%}"] for n, x in r["streaming"].items()],
@@ -174,8 +174,22 @@ def _errors_md(r: dict) -> str:
     s += (
         f"\n\nPer-channel keys beat per-token keys in {r['layers_where_per_channel_key_wins']}/{n} "
         f"layers; per-token values beat per-channel values on the attention output in "
-        f"{r['layers_where_per_token_value_output_wins']}/{n} layers.\n\nPer layer:\n\n"
+        f"{r['layers_where_per_token_value_output_wins']}/{n} layers.\n\n"
     )
+    cache_errors = r["cache_output_error"]
+    s += (
+        "Attention output of the same queries through each streaming cache (G = 32, R = 128, "
+        "its window and side storage) against full precision, ||O' - O||_F / ||O||_F per "
+        "layer:\n\n"
+    )
+    s += _table(
+        ["KV", "mean", "median", "max"],
+        [
+            [n, f"{np.mean(e):.4f}", f"{np.median(e):.4f}", f"{np.max(e):.4f}"]
+            for n, e in cache_errors.items()
+        ],
+    )
+    s += "\n\nPer layer:\n\n"
     pt, pc = r["per_layer"]["per-token"], r["per_layer"]["per-channel"]
     s += _table(
         [
@@ -284,5 +298,79 @@ def _ablate_plot(r: dict, path) -> None:
     plt.close(fig)
 
 
-MARKDOWN = {"ppl": _ppl_md, "passkey": _passkey_md, "errors": _errors_md, "ablate": _ablate_md}
-PLOTS = {"ppl": _ppl_plot, "passkey": _passkey_plot, "errors": _errors_plot, "ablate": _ablate_plot}
+# ----------------------------------------------------------------------------- mixed precision
+
+
+def _mix_table(rows: dict, fp: float) -> str:
+    return _table(
+        ["KV", "ppl", "vs fp", "bytes vs KIVI-2", "config"],
+        [
+            [n, f"{x['ppl']:.3f}", f"{x['ppl'] / fp - 1:+.2%}", f"{x['bytes_vs_kivi2']:.3f}x",
+             x["config"]]
+            for n, x in rows.items()
+        ],
+    )  # fmt: skip
+
+
+def _mix_md(r: dict) -> str:
+    s = (
+        f"Mixed-precision KIVI-2: perplexity through the streaming cache on `{r['source']}` "
+        f"({r['windows']} window(s) of {r['window']} tokens, {r['scored_tokens']} scored) and "
+        f"the bytes each cache allocates for one sequence of {r['bytes_at']} tokens, every "
+        f"layer (memory_report, side storage included), against KIVI-2's "
+        f"{r['kivi2_bytes']:,} bytes. kivi2-mix defaults: {r['default']}.\n\n"
+    )
+    s += _mix_table(r["settings"], r["settings"]["fp"]["ppl"])
+    for h in r["held_out"]:
+        s += (
+            f"\n\nHeld out (settings not chosen on it): `{h['source']}`, {h['windows']} "
+            f"window(s) of {h['window']} tokens:\n\n"
+        )
+        s += _mix_table(h["settings"], h["settings"]["fp"]["ppl"])
+    return s
+
+
+def _mix_plot(r: dict, path) -> None:
+    plt = _plt()
+    rows = r["settings"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    curves = {}
+    for name, x in rows.items():
+        if " N" in name:  # "<selection> N<budget>"
+            curves.setdefault(name.split(" N")[0], []).append(x)
+    for i, (sel, pts) in enumerate(curves.items()):
+        ax.plot([p["bytes_vs_kivi2"] for p in pts], [p["ppl"] for p in pts], "o-",
+                color=f"C{i}", label=f"heavy tokens by {sel} (N = 8 ... 64)")  # fmt: skip
+    for name, marker in (("kivi2", "s"), ("kivi4", "D"), ("sinks", "^"), ("sinks+sliding", "v"),
+                         ("sinks+sliding+F16", "P")):  # fmt: skip
+        if name in rows:
+            x = rows[name]
+            ax.plot(x["bytes_vs_kivi2"], x["ppl"], marker, color="k", label=name)
+            ax.annotate(name, (x["bytes_vs_kivi2"], x["ppl"]), textcoords="offset points",
+                        xytext=(5, 3), fontsize=7)  # fmt: skip
+    ax.axhline(rows["fp"]["ppl"], color="k", lw=0.8, ls="--", label="fp")
+    ax.axhline(rows["fp"]["ppl"] * 1.05, color="grey", lw=0.8, ls=":", label="fp + 5%")
+    ax.axvline(1.15, color="grey", lw=0.8, ls="-.", label="1.15x KIVI-2's bytes")
+    ax.set_xlabel(f"bytes allocated for {r['bytes_at']} tokens / KIVI-2's")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"Budget sweep, {r['scored_tokens']} tokens of {pathlib.Path(r['source']).name}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+MARKDOWN = {
+    "ppl": _ppl_md,
+    "passkey": _passkey_md,
+    "errors": _errors_md,
+    "ablate": _ablate_md,
+    "mix": _mix_md,
+}
+PLOTS = {
+    "ppl": _ppl_plot,
+    "passkey": _passkey_plot,
+    "errors": _errors_plot,
+    "ablate": _ablate_plot,
+    "mix": _mix_plot,
+}

@@ -25,7 +25,7 @@ from kivi_jax import analysis
 from kivi_jax.analysis import Grouping
 from kivi_jax.cache import init_cache
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.config import KIVI2, KIVI4, KiviConfig
+from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig, Selection
 from kivi_jax.eval import data, views
 from kivi_jax.models import llama
 
@@ -34,7 +34,12 @@ PT, PC = Grouping.PER_TOKEN, Grouping.PER_CHANNEL
 PASSKEY_NEW_TOKENS = 8  # greedy answer tokens after a passkey prompt (a 5-digit key fits)
 
 # The streaming cache settings compared everywhere (None: the full-precision cache).
-KV_SETTINGS: dict[str, KiviConfig | None] = {"fp": None, "kivi4": KIVI4, "kivi2": KIVI2}
+KV_SETTINGS: dict[str, KiviConfig | None] = {
+    "fp": None,
+    "kivi4": KIVI4,
+    "kivi2": KIVI2,
+    "kivi2-mix": KIVI2_MIX,
+}
 
 # The paper's Table 1 (fake quantization, groups of 32, no residual), in its row order.
 FAKE_QUANT_GRID: dict[str, views.FakeQuantAttention] = {
@@ -112,7 +117,7 @@ def _greedy_answers(params, tokens, lengths, *, kv_configs, max_len: int, new_to
     """One full-precision prefill, then a greedy decode per KV setting: int32 [C, B, new_tokens]."""
     c = params.config
     B = tokens.shape[0]
-    logits, _, k, v = llama.forward_with_qkv(params, tokens, lengths, logits_at=lengths - 1)
+    logits, q, k, v = llama.forward_with_qkv(params, tokens, lengths, logits_at=lengths - 1)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # identical for every setting
     answers = []
     for cfg in kv_configs:
@@ -125,7 +130,7 @@ def _greedy_answers(params, tokens, lengths, *, kv_configs, max_len: int, new_to
             dtype=params.dtype,
             num_layers=c.num_layers,
         )
-        cache = tuple(cache_prefill(s, k[i], v[i], lengths) for i, s in enumerate(cache))
+        cache = tuple(cache_prefill(s, k[i], v[i], lengths, q=q[i]) for i, s in enumerate(cache))
         generated = jnp.zeros((B, new_tokens), jnp.int32).at[:, 0].set(first)
 
         def step(t, carry):
@@ -257,7 +262,14 @@ def passkey_study(
 def _describe(cfg: KiviConfig | None) -> str:
     if cfg is None:
         return "full precision"
-    return f"K{cfg.k_bits}/V{cfg.v_bits} bits, G={cfg.group_size}, R={cfg.residual_length}"
+    s = f"K{cfg.k_bits}/V{cfg.v_bits} bits, G={cfg.group_size}, R={cfg.residual_length}"
+    if cfg.mixed:
+        s += (
+            f", sinks={cfg.sinks}, sliding_keys={cfg.sliding_keys}, "
+            f"fine_key_channels={cfg.fine_key_channels}, heavy_tokens={cfg.heavy_tokens}"
+        )
+        s += f" by {cfg.selection.value}" if cfg.heavy_tokens else ""
+    return s
 
 
 # ----------------------------------------------------------------------------- error analysis
@@ -295,6 +307,32 @@ def _layer_errors(params, tokens, *, num_queries: int, bits: int, group_size: in
     errors = per_head(qs, ks, vs, bits, group_size)  # leaves [L, N]
     magnitude = jnp.abs(k).mean(axis=1)  # [L, H, D]
     return errors, magnitude
+
+
+@functools.partial(jax.jit, static_argnames=("num_queries", "configs"))
+def _cache_output_errors(params, tokens, *, num_queries: int, configs):
+    """Per KV setting and layer: ||O' - O||_F / ||O||_F of the last `num_queries` queries'
+    attention output through the streaming cache (O', views.StreamingAttention) against full
+    precision (O), both over the layer's real q/k/v: float32 [len(configs), L]."""
+    _, q, k, v = llama.forward_with_qkv(params, tokens, logits_at=jnp.zeros((1,), jnp.int32))
+    lengths = jnp.full((1,), tokens.shape[1], jnp.int32)
+    full = views.FullAttention()
+
+    def layer(qkv, view):
+        ql, kl, vl = qkv  # [1, S, N or H, D]
+        o = full(ql, kl, vl, lengths)[:, -num_queries:].astype(jnp.float32)
+        o_hat = view(ql, kl, vl, lengths)[:, -num_queries:].astype(jnp.float32)
+        return jnp.linalg.norm(o_hat - o) / jnp.linalg.norm(o)
+
+    return jnp.stack(
+        [
+            jax.lax.map(
+                functools.partial(layer, view=views.StreamingAttention(cfg, params.dtype)),
+                (q, k, v),
+            )
+            for cfg in configs
+        ]
+    )
 
 
 def error_study(
@@ -337,6 +375,12 @@ def error_study(
         }
         for g in per_layer
     }
+    caches = {n: c for n, c in KV_SETTINGS.items() if c is not None}
+    cache_errors = np.asarray(
+        _cache_output_errors(
+            params, tokens, num_queries=num_queries, configs=tuple(caches.values())
+        )
+    )  # [settings, L]
     return {
         "source": source,
         "keys": keys,
@@ -354,6 +398,9 @@ def error_study(
         "key_channel_magnitude": magnitude.tolist(),
         "key_outlier_ratio_max_over_median": ratio.tolist(),
         "top_key_channels": outliers,
+        # The attention output through each streaming cache (all of the G/R layout, residual
+        # window and side storage) against full precision, relative Frobenius error per layer.
+        "cache_output_error": {n: cache_errors[i].tolist() for i, n in enumerate(caches)},
         "seconds": time.perf_counter() - t0,
     }
 
@@ -411,4 +458,114 @@ def ablation_study(
         "passkey_keys_per_cell": keys_per_cell,
         "passkey": {n: pk["accuracy_by_length"][n][0] for n in settings},
         "passkey_records": pk["records"],
+    }
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+
+def mix_candidates(budgets=(8, 16, 32, 64)) -> dict[str, KiviConfig | None]:
+    """The settings of the mixed-precision study, by name: fp, KIVI-4, KIVI-2, then KIVI-2 with
+    one part added at a time (4 sinks; sliding keys; 16 fine key channels), then heavy-token
+    budgets N on top of those three, one curve per Selection."""
+    base = dict(k_bits=2, v_bits=2)
+    out: dict[str, KiviConfig | None] = {"fp": None, "kivi4": KIVI4, "kivi2": KIVI2}
+    out["sinks"] = KiviConfig(**base, sinks=4)
+    out["sinks+sliding"] = KiviConfig(**base, sinks=4, sliding_keys=True)
+    out["sinks+sliding+F16"] = KiviConfig(**base, sinks=4, sliding_keys=True, fine_key_channels=16)
+    for sel in Selection:
+        for n in budgets:
+            out[f"{sel.value} N{n}"] = KiviConfig(
+                **base,
+                sinks=4,
+                sliding_keys=True,
+                fine_key_channels=16,
+                heavy_tokens=n,
+                selection=sel,
+            )
+    return out
+
+
+def cache_bytes(cfg: KiviConfig | None, model_config, *, max_len: int, dtype) -> int:
+    """memory_report's total_bytes of one sequence's cache of `max_len` tokens, every layer."""
+    from kivi_jax.memory import memory_report
+
+    cache = init_cache(
+        cfg,
+        batch=1,
+        max_len=max_len,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+        num_layers=model_config.num_layers,
+    )
+    return memory_report(cache).total_bytes
+
+
+def _mix_rows(params, chunks, settings, kivi2_bytes: int, bytes_at: int, what: str, log):
+    rows = {}
+    for name, cfg in settings.items():
+        view = (
+            views.FullAttention()
+            if cfg is None
+            else views.StreamingAttention(cfg, cache_dtype=params.dtype)
+        )
+        row = perplexity(params, chunks, view)
+        row["bytes"] = cache_bytes(cfg, params.config, max_len=bytes_at, dtype=params.dtype)
+        row["bytes_vs_kivi2"] = row["bytes"] / kivi2_bytes
+        row["config"] = _describe(cfg)
+        rows[name] = row
+        log(
+            f"mix {what} {name}: ppl {row['ppl']:.3f}, {row['bytes_vs_kivi2']:.3f}x KIVI-2's "
+            f"bytes ({row['seconds']:.0f} s)"
+        )
+    return rows
+
+
+def mix_study(
+    params,
+    ids,
+    *,
+    source: str,
+    window: int,
+    check=(),
+    check_window: int = 2048,
+    settings=None,
+    bytes_at: int = 2048,
+    log=print,
+) -> dict:
+    """The mixed-precision study: perplexity through the streaming view of each candidate
+    (mix_candidates) on `ids` (the text the defaults are chosen on) and the bytes its cache
+    allocates for one sequence of `bytes_at` tokens (memory_report, everything counted), as a
+    ratio to KIVI-2's; then fp / KIVI-4 / KIVI-2 / kivi2-mix (the defaults) on each text of
+    `check`, ((ids, source), ...), prose the settings were not chosen on."""
+    settings = mix_candidates() if settings is None else settings
+    kivi2_bytes = cache_bytes(KIVI2, params.config, max_len=bytes_at, dtype=params.dtype)
+    chunks = windows(ids, window)
+    rows = _mix_rows(params, chunks, settings, kivi2_bytes, bytes_at, "sweep", log)
+    held_out = []
+    for check_ids, check_source in check:
+        check_chunks = windows(check_ids, check_window)
+        check_rows = _mix_rows(
+            params, check_chunks, KV_SETTINGS, kivi2_bytes, bytes_at, "check", log
+        )
+        held_out.append(
+            {
+                "source": check_source,
+                "window": check_window,
+                "windows": int(check_chunks.shape[0]),
+                "scored_tokens": int(check_chunks.shape[0] * (check_window - 1)),
+                "settings": check_rows,
+            }
+        )
+    return {
+        "source": source,
+        "window": window,
+        "windows": int(chunks.shape[0]),
+        "scored_tokens": int(chunks.shape[0] * (window - 1)),
+        "bytes_at": bytes_at,
+        "kivi2_bytes": kivi2_bytes,
+        "default": _describe(KIVI2_MIX),
+        "settings": rows,
+        "held_out": held_out,
     }

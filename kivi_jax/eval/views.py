@@ -8,9 +8,16 @@ causal, query head n reading KV head n // (N // H), padded keys (t >= lengths[b]
 
 - `StreamingAttention(config)`: query i sees exactly what the streaming KIVI cache holds after
   token i was appended (keys [0, Qk) and values [0, Pv) quantized, the rest full precision), so one
-  forward pass equals teacher-forced decoding through the cache. This works because a token's
-  quantized key (its group of G tokens, formed at a flush) and quantized value (formed when it
-  leaves the window) never change once made.
+  forward pass attends over the K/V of teacher-forced decoding through the cache (equal up to
+  float rounding, which can flip 2-bit roundings in later layers: docs/accuracy.md). This works
+  because a token's quantized key (its group of G tokens, formed at a flush) and quantized value
+  (formed when it leaves the window) never change once made.
+  For a mixed-precision config (kivi_jax.cache: sinks, sliding keys, fine key channels,
+  heavy tokens) query i also sees the sinks and the heavy tokens chosen by then in full
+  precision: the heavy tokens' scores are a function of the tokens (Selection.ERROR) or of the
+  queries' softmax over the full-precision keys they see (Selection.MASS), both available in
+  one pass, so the view still equals teacher-forced decoding through the cache (up to float
+  rounding: docs/accuracy.md).
 - `FakeQuantAttention(k_grouping, v_grouping, bits)`: the paper's Table 1 fake quantization:
   the whole sequence's K and V quantize-dequantized along one axis in groups of G, no residual.
 - `FullAttention()`: no quantization.
@@ -24,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kivi_jax import quantization
 from kivi_jax.analysis import Grouping
 from kivi_jax.config import KiviConfig
 from kivi_jax.quantization import fake_quantize
@@ -76,6 +84,8 @@ class StreamingAttention:
     cache_dtype: object = jnp.float32
 
     def __call__(self, q, k, v, lengths):
+        if self.config.mixed:
+            return _mixed_streaming_attention(self.config, self.cache_dtype, q, k, v, lengths)
         cfg, s = self.config, q.shape[1]
         kq = quantize_tokens(k, cfg.k_bits, cfg.group_size, Grouping.PER_CHANNEL, self.cache_dtype)
         vq = quantize_tokens(v, cfg.v_bits, cfg.group_size, Grouping.PER_TOKEN, self.cache_dtype)
@@ -86,6 +96,90 @@ class StreamingAttention:
         values_quantized = t < held - r
         k, v = k.astype(self.cache_dtype), v.astype(self.cache_dtype)
         return _two_candidate_attention(q, kq, k, vq, v, keys_quantized, values_quantized, lengths)
+
+
+def _top_n_members(score, candidate_from, n: int, first: int):
+    """[B, H, S(i), S(t)] bools: token t is among the n best candidates at query i.
+
+    score [B, H, S]; token t >= `first` is a candidate from query t + candidate_from on; best
+    means score descending, then position ascending (kivi_jax.cache's heavy slots).
+    """
+    s = score.shape[-1]
+    u = jnp.arange(s)
+    beats = (score[..., None, :] > score[..., :, None]) | (
+        (score[..., None, :] == score[..., :, None]) & (u[None, :] < u[:, None])
+    )  # [B, H, t, u]: u ranks above t
+    beats &= u >= first
+    count = jnp.cumsum(beats.astype(jnp.int32), axis=-1)  # [B, H, t, u]: among [0, u]
+    last = jnp.arange(s) - candidate_from  # [S(i)]: the last candidate at query i
+    c = jnp.take(count, jnp.clip(last, 0, s - 1), axis=-1)  # [B, H, t, i]
+    member = (u[:, None] >= first) & (u[:, None] <= last[None, :]) & (c < n)
+    return jnp.swapaxes(member, -1, -2)
+
+
+def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
+    """StreamingAttention for a mixed-precision config (kivi_jax.cache's module doc): query i
+    sees the sinks, the rings, the heavy tokens chosen so far and the codes of the rest."""
+    from kivi_jax import cache as kc
+
+    b, s, n, d = q.shape
+    h = k.shape[2]
+    g, r = cfg.group_size, cfg.residual_length
+    k, v = k.astype(dtype), v.astype(dtype)
+    # Keys through the cache's own group quantization (sinks, fine channels), groups from 0.
+    kh = _pad_tokens(k, g).swapaxes(1, 2)  # [B, H, S', D]
+    codes, scale, zero, lo, channels = kc._quantize_keys(kh, cfg, jnp.zeros((b,), jnp.int32), dtype)
+    rep_g = lambda x: jnp.repeat(x, g, axis=2)
+    if lo is None:
+        kq = quantization.dequantize(codes, scale, zero, g, axis=2)
+    else:
+        kq = kc._fine_dequantize(
+            codes,
+            rep_g(scale.astype(jnp.float32)),
+            rep_g(zero.astype(jnp.float32)),
+            lo,
+            rep_g(channels),
+            cfg.k_bits,
+            d,
+        )
+    kq = kq[:, :, :s]  # [B, H, S, D]
+    v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=dtype)
+    vq = quantization.dequantize(v_codes, v_scale, v_zero, g, axis=3).swapaxes(1, 2)
+    kf, vf = (x.astype(jnp.float32).swapaxes(1, 2) for x in (k, v))  # [B, H, S, D]
+
+    qg = q.astype(jnp.float32).reshape(b, s, h, n // h, d)
+    hi = jax.lax.Precision.HIGHEST
+    scale_d = 1.0 / math.sqrt(d)
+    score_of = lambda keys: jnp.einsum("bihrd,bhtd->bhrit", qg, keys, precision=hi) * scale_d
+    s_fp = score_of(kf)  # [B, H, rep, S(i), S(t)]
+    i, t = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    causal = t <= i
+    sink = t < cfg.sinks
+    window = causal & (t >= i + 1 - r)  # the rings at query i
+    members = jnp.zeros((1, 1, s, s), bool)
+    if cfg.heavy_tokens:
+        if cfg.needs_queries:  # mass from each query's softmax over the sinks and the window
+            seen = window | (sink & causal)
+            p_win = jax.nn.softmax(jnp.where(seen, s_fp, -jnp.inf), axis=-1)
+            p_win = jnp.where(window, p_win, 0.0).sum(axis=2)  # [B, H, i, t]
+            heavy_score = jnp.sum(jnp.where(window & (i < t + r), p_win, 0.0), axis=2)
+        else:
+            heavy_score = kc._ordered_sum((kf - kq) ** 2) + kc._ordered_sum((vf - vq) ** 2)
+        members = _top_n_members(heavy_score, r, cfg.heavy_tokens, cfg.sinks)
+    held = i + 1
+    key_q_end = jnp.maximum(held - r, 0) if cfg.sliding_keys else held - held % r
+    keys_fp = ((t >= key_q_end) | sink)[None, None] | members  # [B or 1, H or 1, i, t]
+    values_fp = ((t >= held - r) | sink)[None, None] | members
+    keys_fp, values_fp = keys_fp[:, :, None], values_fp[:, :, None]  # [.., 1, i, t]
+    scores = jnp.where(keys_fp, s_fp, score_of(kq))
+    allowed = causal & (t < lengths[:, None, None, None, None])
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    p = jnp.where(allowed, jax.nn.softmax(scores, axis=-1), 0.0)
+    mix = lambda mask, x: jnp.einsum(
+        "bhrit,bhtd->bihrd", jnp.where(mask, p, 0.0), x.astype(jnp.float32), precision=hi
+    )
+    out = mix(values_fp, vf) + mix(~values_fp, vq)
+    return out.reshape(b, s, n, d).astype(q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

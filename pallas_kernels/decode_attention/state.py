@@ -6,11 +6,17 @@ import jax
 
 
 def cache_reason(cache) -> str | None:
-    """None if a fused kernel can read `cache` (a KiviCache), else a sentence saying why not."""
+    """None if a fused kernel can read `cache` (a plain KiviCache: no mixed-precision side
+    storage), else a sentence saying why not."""
     from kivi_jax.cache import KiviCache  # imported here: kivi_jax imports the kernels lazily
 
     if not isinstance(cache, KiviCache):
         return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
+    if cache.config.mixed:
+        return (
+            "the fused kernels do not support the mixed-precision state yet (kivi2-mix: sinks, "
+            "sliding keys, fine key channels, heavy tokens); impl='auto' uses the reference"
+        )
     return None
 
 
