@@ -78,6 +78,19 @@ def random_layout_cache(rng, *, capacity, residual_length, lengths, zero_value_s
     )
 
 
+def prefill_then_appends(fresh, k, v, n: int, m: int):
+    """(fresh with one prefill of the first n + m tokens of k, v [B, S, H, D], fresh with a
+    prefill of the first n and then m appends): the two states that must agree."""
+    import kivi_jax
+
+    rows = lambda count: jnp.full((fresh.batch,), count)
+    whole = kivi_jax.prefill(fresh, k, v, lengths=rows(n + m))
+    stepped = kivi_jax.prefill(fresh, k, v, lengths=rows(n))
+    for t in range(n, n + m):
+        stepped = kivi_jax.append(stepped, k[:, t], v[:, t])
+    return whole, stepped
+
+
 def tree_equal(a, b) -> bool:
     """Pytrees with equal structure, static fields and bit-identical leaves."""
     if jax.tree.structure(a) != jax.tree.structure(b):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_kv, tree_equal
+from conftest import prefill_then_appends, random_kv, tree_equal
 from hypothesis import example, given, settings
 
 import kivi_jax as kj
@@ -97,11 +97,7 @@ def test_prefill_then_appends_equals_one_prefill(cfg, n, m, dtype, seed):
     rng = np.random.default_rng(seed)
     # One padded shape for every example (fewer compilations); `lengths` marks the real tokens.
     k, v = random_kv(rng, 2, 50, 2, 8, dtype)
-    fresh = _cache(cfg, batch=2, heads=2, dtype=dtype)
-    whole = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n + m))
-    stepped = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n))
-    for t in range(n, n + m):
-        stepped = kj.append(stepped, k[:, t], v[:, t])
+    whole, stepped = prefill_then_appends(_cache(cfg, batch=2, heads=2, dtype=dtype), k, v, n, m)
     assert tree_equal(whole, stepped)
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_kv, tree_equal
+from conftest import prefill_then_appends, random_kv, tree_equal
 from hypothesis import given, settings
 from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
@@ -124,11 +124,7 @@ MIXED_CONFIGS = [
 def test_prefill_then_appends_equals_one_prefill_with_error_scores(cfg, n, m, dtype, seed):
     rng = np.random.default_rng(seed)
     k, v = random_kv(rng, 2, 44, 2, 8, dtype, outliers=True)
-    fresh = _cache(cfg, batch=2, heads=2, dtype=dtype)
-    whole = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n + m))
-    stepped = kj.prefill(fresh, k, v, lengths=jnp.full((2,), n))
-    for t in range(n, n + m):
-        stepped = kj.append(stepped, k[:, t], v[:, t])
+    whole, stepped = prefill_then_appends(_cache(cfg, batch=2, heads=2, dtype=dtype), k, v, n, m)
     assert tree_equal(whole, stepped)
 
 
