@@ -6,7 +6,7 @@ step in GPU time (a CUPTI trace of generate's decode program, prefill apart, div
 steps), decode tokens/s, the byte floor of a step (the weights it reads and every cache byte its
 attention must read at the mean context of the decode, over the read bandwidth measured in the
 same device call), the percent of the floor, peak device memory, compile time, the number of
-programs compiled (and recompiled by a second call of the same shapes: none), and the kernels of
+programs compiled (and recompiled by a second call of the same shapes), and the kernels of
 one step summed by name (where the time goes).
 
     python benchmarks/generate_gpu.py group --out DIR --call NAME [--rows ROW ...]
@@ -203,6 +203,12 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     first_call_s = time.perf_counter() - t0
     programs, compile_s = counter.programs - programs0, counter.seconds - compile0
     _log(f"first call ({programs} programs, {compile_s:.0f} s compiling)", t_row)
+    # A second call of the same shapes (what it compiles is a recompilation), before the
+    # traced runs: on the H200 (jax 0.11.2) a generate call after them failed with
+    # CUDA_ERROR_LAUNCH_FAILED in the decode program (every full-cache row, some KIVI rows).
+    programs1 = counter.programs
+    jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
+    recompiled = counter.programs - programs1
 
     def one_run(trace_dir: str) -> float:
         """generate's two programs, traced, a pause between them (the trace tells them apart);
@@ -249,10 +255,6 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         prefill_s, totals, timing = float("nan"), {}, "host"
         idle_ms = float("nan")
     per_step = {n: (k / steps, t / steps * 1e3) for n, (k, t) in totals.items()}
-
-    programs1 = counter.programs
-    jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
-    recompiled = counter.programs - programs1
 
     step_ms = decode_s / steps * 1e3
     lengths = range(row.prompt + 1, row.prompt + row.new_tokens)  # the decode steps' contexts
