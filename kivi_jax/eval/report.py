@@ -40,12 +40,14 @@ def replot(out) -> list[pathlib.Path]:
     return paths
 
 
-def _annotate(ax, im, grid: np.ndarray, fmt: str) -> None:
-    """Writes each cell's value on an imshow heatmap, black on light cells and white on dark."""
+def _annotate(ax, im, grid: np.ndarray, fmt) -> None:
+    """Writes each cell's value on an imshow heatmap, black on light cells and white on dark.
+    fmt: a format spec, or a function of the value."""
+    label = fmt if callable(fmt) else lambda val: format(val, fmt)
     for (i, j), val in np.ndenumerate(grid):
         r, g, b, _ = im.cmap(im.norm(val))
         light = 0.299 * r + 0.587 * g + 0.114 * b > 0.5  # perceived brightness of the cell
-        ax.text(j, i, format(val, fmt), ha="center", va="center", fontsize=8,
+        ax.text(j, i, label(val), ha="center", va="center", fontsize=8,
                 color="black" if light else "white")  # fmt: skip
 
 
@@ -114,21 +116,30 @@ def _passkey_md(r: dict) -> str:
         f"{r['keys_per_cell']} random 5-digit keys per cell, greedy, {r['new_tokens']} new "
         f"tokens, one full-precision prefill shared by every setting.\n\n"
     )
-    s += "Accuracy per prompt length (mean over depths):\n\n"
+    s += "Keys retrieved per prompt length (all depths):\n\n"
+    per_length = r["keys_per_cell"] * len(r["depths"])
     s += _table(
         ["KV", *[f"L={n}" for n in r["lengths"]]],
-        [[n, *[f"{a:.2f}" for a in accs]] for n, accs in r["accuracy_by_length"].items()],
+        [
+            [n, *[_of_keys(a, per_length) for a in accs]]
+            for n, accs in r["accuracy_by_length"].items()
+        ],
     )
     for n, grid in r["accuracy"].items():
-        s += f"\n\n{n} ({r['settings'][n]}), rows L, columns depth:\n\n"
+        s += f"\n\n{n} ({r['settings'][n]}), keys retrieved per cell, rows L, columns depth:\n\n"
         s += _table(
             ["L", *[str(d) for d in r["depths"]]],
             [
-                [length, *[f"{a:.1f}" for a in row]]
+                [length, *[_of_keys(a, r["keys_per_cell"]) for a in row]]
                 for length, row in zip(r["lengths"], grid, strict=True)
             ],
         )
     return s
+
+
+def _of_keys(accuracy: float, keys: int) -> str:
+    """A cell's accuracy as keys retrieved of keys asked, e.g. 3/4."""
+    return f"{round(accuracy * keys)}/{keys}"
 
 
 def _passkey_plot(r: dict, path) -> None:
@@ -142,7 +153,7 @@ def _passkey_plot(r: dict, path) -> None:
     for ax, n in zip(axes[0], names, strict=True):
         grid = np.asarray(r["accuracy"][n])
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        _annotate(ax, im, grid, ".1f")
+        _annotate(ax, im, grid, lambda a: _of_keys(a, r["keys_per_cell"]))
         ax.set_xticks(range(len(r["depths"])), [str(d) for d in r["depths"]])
         ax.set_yticks(range(len(r["lengths"])), [str(x) for x in r["lengths"]])
         ax.set_xlabel("depth")
