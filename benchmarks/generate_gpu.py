@@ -149,16 +149,18 @@ def cache_bytes_read(row: Row, length: int) -> int:
 
 
 class CompileCounter:
-    """Counts XLA backend compilations and their seconds (jax.monitoring events)."""
+    """Counts XLA backend compilations, their seconds and the compiled functions' names
+    (jax.monitoring events)."""
 
     def __init__(self):
-        self.programs, self.seconds = 0, 0.0
+        self.programs, self.seconds, self.names = 0, 0.0, []
         jax.monitoring.register_event_duration_secs_listener(self._event)
 
-    def _event(self, name, seconds, **_):
+    def _event(self, name, seconds, fun_name="?", **_):
         if name == "/jax/core/compile/backend_compile_duration":
             self.programs += 1
             self.seconds += seconds
+            self.names.append(fun_name)
 
 
 def random_params(config: LlamaConfig, key) -> object:
@@ -209,6 +211,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     programs1 = counter.programs
     jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
     recompiled = counter.programs - programs1
+    recompiled_names = counter.names[programs1:]
 
     def one_run(trace_dir: str) -> float:
         """generate's two programs, traced, a pause between them (the trace tells them apart);
@@ -285,6 +288,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         "compile_s": compile_s,
         "programs": programs,
         "recompiled": recompiled,
+        "recompiled_programs": recompiled_names,
         "first_call_s": first_call_s,
         "init_s": init_s,
         "kernels_per_step": {n: {"launches": k, "ms": t} for n, (k, t) in per_step.items()},
