@@ -325,6 +325,9 @@ def describe_device() -> dict:
             "flax": flax.__version__,
         },
         "read_bandwidths_GBps": {k: v / 1e9 for k, v in bandwidth.items()},
+        # what changes how jax compiles (e.g. PGLE recompiles a program after its first runs)
+        "environment": {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))},
+        "jax_enable_pgle": bool(jax.config.jax_enable_pgle),
     }
 
 
