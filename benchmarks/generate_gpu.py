@@ -21,7 +21,7 @@ and working memory). `group` measures the read bandwidth, then runs each row
 (`model:kv:batch:prompt+new`, e.g. `Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as
 `generate_gpu.py row ...` in a subprocess and writes DIR/row_*.json; `merge` writes
 generate_gpu.json, generate_gpu.md and generate_gpu.png (ratios only between rows of the same
-call).
+call; a row measured again, in a later DIR, replaces the earlier one).
 """
 
 from __future__ import annotations
@@ -479,6 +479,16 @@ def merge(args) -> None:
         tries += [json.loads(p.read_text()) for p in sorted(d.glob("try_*.json"))]
     if not rows and not searches:
         sys.exit("no rows")
+    # A row measured again replaces its earlier measurement (the arguments in order); a failed
+    # row stays only where no measurement of it ran.
+    latest = {}
+    for r in rows:
+        key = tuple(r[k] for k in ("model", "kv", "batch", "prompt", "new_tokens"))
+        if "step_ms" in r or "step_ms" not in latest.get(key, {}):
+            latest[key] = r
+    rows = list(latest.values())
+    used = {r["call"] for r in [*rows, *searches, *tries]}
+    calls = {name: c for name, c in calls.items() if name in used}
     first = next(iter(calls.values()))
     result = {
         "device": first["device"],
