@@ -550,8 +550,9 @@ def _ring_step(ring, new, windows, old, keep):
     ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...), windows a list of
     (start [B], width, aligned), old [B], keep [B, S] -> ([window [B, H, width, D], ...], the
     updated ring). `aligned`: every start is a multiple of width, width divides R and the
-    window holds the new tokens. Window tokens below 0 read whatever their slot holds (the
-    caller masks them).
+    window holds the new tokens; an aligned window alone is read as one slice per row (with
+    several windows, all are gathered in one read). Window tokens below 0 read whatever their
+    slot holds (the caller masks them).
     """
     r = ring.shape[2]
     js = [start[:, None] + jnp.arange(width) for start, width, _ in windows]  # [B, width]

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         default="kivi2",
         help="KV cache: full precision, or KIVI with 2-bit or 4-bit keys and values (groups of "
         "32, the last 128 tokens in full precision), or kivi2-mix: KIVI-2 that keeps the first "
-        "tokens and the most attended ones in full precision (default: kivi2)",
+        "tokens and the worst-quantized ones in full precision and its widest key channels at "
+        "4 bits (default: kivi2)",
     )
     p.add_argument(
         "--max-new-tokens",
