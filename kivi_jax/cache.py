@@ -506,6 +506,8 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
         pos = old[:, None] + jnp.arange(k.shape[1])  # [B, S]
         pos = _drop_unless(pos < new[:, None], pos)
         updates = dict(k=_scatter(cache.k, pos, k, axis=1), v=_scatter(cache.v, pos, v, axis=1))
+    elif k.shape[1] == 1 and _append_kernel_applies(cache):
+        updates = _append_with_kernel(cache, k[:, 0], v[:, 0], old, fits)
     else:
         # [B, S, H, D] -> [B, H, S, D], the quantized cache's heads-major order.
         swap = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)
@@ -513,6 +515,41 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
     return dataclasses.replace(
         cache, **updates, lengths=new, overflow=cache.overflow | (fits < counts)
     )
+
+
+# Experiment: a decode step's append as one Pallas kernel per layer on a GPU
+# (pallas_kernels/append/gpu.py); KIVI_APPEND=xla keeps the XLA append, for A/B runs.
+_APPEND_FIELDS = (
+    "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_residual", "v_residual"
+)  # fmt: skip
+
+
+def _append_kernel_applies(cache: KiviCache) -> bool:
+    import os
+
+    cfg, d = cache.config, cache.head_dim
+    pow2 = lambda x: x & (x - 1) == 0
+    return (
+        os.environ.get("KIVI_APPEND", "pallas") == "pallas"
+        and jax.default_backend() == "gpu"
+        and cache.side is None
+        and cfg.k_bits in (2, 4)
+        and cfg.v_bits in (2, 4)
+        and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
+    )
+
+
+def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
+    """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1})."""
+    from kivi_jax.pallas_kernels.append.gpu import append_kernel
+
+    cfg = cache.config
+    out = append_kernel(
+        *[getattr(cache, n) for n in _APPEND_FIELDS], old, fits, k, v,
+        k_bits=cfg.k_bits, v_bits=cfg.v_bits, group_size=cfg.group_size,
+        residual_length=cfg.residual_length, interpret=interpret,
+    )  # fmt: skip
+    return dict(zip(_APPEND_FIELDS, out, strict=True))
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).

@@ -1,0 +1,1 @@
+"""The fused KIVI append (experiment: gpu.py)."""
