@@ -70,3 +70,27 @@ def test_the_kernel_is_used_only_on_a_gpu():
         kivi_jax.KIVI2, batch=1, max_len=64, num_kv_heads=1, head_dim=64, dtype=jnp.float32
     )
     assert kc._append_kernel_applies(cache) == (jax.default_backend() == "gpu")
+
+
+def test_generate_with_the_kernel_gives_the_tokens_of_the_xla_append(monkeypatch):
+    # ragged prompts across the residual length, 40 steps: values leave the window and key
+    # groups complete under the kernel (interpreted), in the model's jitted decode loop
+    from tiny_model import tiny_config
+
+    params = kivi_jax.init_params(tiny_config(max_context=512), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, params.config.vocab_size, (3, 150)).astype(np.int32)
+    lengths = np.array([150, 97, 120])
+    run = lambda: kivi_jax.generate(params, tokens, lengths=lengths, max_new_tokens=40)
+    want = run()
+    traced, kernel = [], kc._append_with_kernel
+
+    def interpreted(*args, **kwargs):
+        traced.append(1)
+        return kernel(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(kc, "_append_kernel_applies", lambda cache: cache.side is None)
+    monkeypatch.setattr(kc, "_append_with_kernel", interpreted)
+    jax.clear_caches()
+    np.testing.assert_array_equal(run(), want)
+    assert traced
