@@ -55,14 +55,34 @@ def unpack_codes(packed: jax.Array, bits: int, axis: int) -> jax.Array:
     return jnp.moveaxis(c, -1, axis)
 
 
-def _round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
+def as_float32(y: jax.Array) -> jax.Array:
+    """y's values in float32, decoded from y's bits. XLA on GPUs folds a float32 -> bfloat16
+    -> float32 round trip into the float32 value it started from (excess precision), so
+    `y.astype(float32)` may not be y; quantization must compute with the s and z it stores."""
+    if y.dtype == jnp.float32:
+        return y
+    b = lax.bitcast_convert_type(y, jnp.uint16).astype(jnp.uint32)
+    if y.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(b << 16, jnp.float32)
+    assert y.dtype == jnp.float16, y.dtype
+    sign, exp, mant = b >> 15 << 31, b >> 10 & 0x1F, b & 0x3FF
+    normal = sign | jnp.where(exp == 0x1F, 0xFF, exp + 112) << 23 | mant << 13
+    subnormal = mant.astype(jnp.float32) * 2.0**-24  # exact: mant < 2^10
+    return jnp.where(
+        exp == 0,
+        jnp.where(sign > 0, -subnormal, subnormal),
+        lax.bitcast_convert_type(normal, jnp.float32),
+    )
+
+
+def round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
     """Non-negative float32 x cast to `dtype`, rounded towards +inf (never below x)."""
     y = x.astype(dtype)
     if jnp.dtype(dtype) == jnp.float32:
         return y
     uint = _UINT_OF_WIDTH[jnp.dtype(dtype).itemsize]
     bumped = lax.bitcast_convert_type(lax.bitcast_convert_type(y, uint) + uint(1), dtype)
-    return jnp.where(y.astype(jnp.float32) < x, bumped, y)
+    return jnp.where(as_float32(y) < x, bumped, y)
 
 
 def quantize(
@@ -90,9 +110,9 @@ def quantize(
     lo = jnp.min(g, axis=-1)
     hi = jnp.max(g, axis=-1)
     zero = lo.astype(dtype)
-    scale = _round_up_to_dtype((hi - lo) / levels, dtype)
-    s = scale.astype(jnp.float32)[..., None]
-    z = zero.astype(jnp.float32)[..., None]
+    scale = round_up_to_dtype((hi - lo) / levels, dtype)
+    s = as_float32(scale)[..., None]
+    z = as_float32(zero)[..., None]
     q = jnp.round((g - z) / jnp.where(s == 0, 1.0, s))
     codes = jnp.clip(q, 0, levels).astype(jnp.uint8).reshape(*lead, m)
     return (
