@@ -1,8 +1,8 @@
 """A decode step's KIVI append as one kernel per layer (Pallas, Triton lowering).
 
-Experiment: not measured on a GPU yet. The XLA append (`kivi_jax.cache._extend_kivi`) costs
-~13 small kernels per layer and step; this one program per (sequence, KV head) writes what
-the step writes, in place (every array aliased to its input):
+The XLA append (`kivi_jax.cache._extend_kivi`, the reference) costs ~13 small kernels per
+layer and step; this one program per (sequence, KV head) writes what the step writes, in
+place (every array aliased to its input):
 
     the new key and value into the rings, at slot t % R (t = lengths[b], the new token);
     the value leaving the window (token t - R, read from the slot before it is overwritten),
@@ -25,17 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_UINT = {2: jnp.uint16, 4: jnp.uint32}
-
-
-def _round_up_to(x, dtype):
-    """Non-negative float32 x in `dtype`, rounded towards +inf (quantization._round_up_to_dtype)."""
-    y = x.astype(dtype)
-    if jnp.dtype(dtype) == jnp.float32:
-        return y
-    uint = _UINT[jnp.dtype(dtype).itemsize]
-    bumped = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(y, uint) + uint(1), dtype)
-    return jnp.where(y.astype(jnp.float32) < x, bumped, y)
+from kivi_jax.quantization import as_float32, round_up_to_dtype
 
 
 def _round_half_even(y):
@@ -50,9 +40,9 @@ def _quantize(x, lo, hi, bits, dtype):
     """codes (uint8), scale, zero of x (float32) against its group's lo, hi (broadcastable)."""
     levels = (1 << bits) - 1
     zero = lo.astype(dtype)
-    scale = _round_up_to((hi - lo) * jnp.float32(1.0 / levels), dtype)
-    s = scale.astype(jnp.float32)
-    q = _round_half_even((x - zero.astype(jnp.float32)) / jnp.where(s == 0, 1.0, s))
+    scale = round_up_to_dtype((hi - lo) * jnp.float32(1.0 / levels), dtype)
+    s = as_float32(scale)
+    q = _round_half_even((x - as_float32(zero)) / jnp.where(s == 0, 1.0, s))
     return jnp.clip(q, 0, levels).astype(jnp.uint8), scale, zero
 
 
