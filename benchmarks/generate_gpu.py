@@ -487,6 +487,18 @@ def merge(args) -> None:
         if "step_ms" in r or "step_ms" not in latest.get(key, {}):
             latest[key] = r
     rows = list(latest.values())
+    # A search run again replaces the earlier one, and its tries replace the earlier tries.
+    searched = {}
+    for m in searches:
+        searched[tuple(m[k] for k in ("model", "kv", "budget_gb", "prompt", "new_tokens"))] = m
+    searches = list(searched.values())
+    latest_call = {(m["model"], m["kv"], m["prompt"], m["new_tokens"]): m["call"] for m in searches}
+    tries = [
+        t
+        for t in tries
+        if latest_call.get((t["model"], t["kv"], t["prompt"], t["new_tokens"]), t["call"])
+        == t["call"]
+    ]
     used = {r["call"] for r in [*rows, *searches, *tries]}
     calls = {name: c for name, c in calls.items() if name in used}
     first = next(iter(calls.values()))
@@ -521,10 +533,11 @@ def _full_of(result, r):
 
 def step_split(kernels: dict) -> dict[str, float]:
     """ms per step of a row's kernels by kind: matmuls (XLA's Triton gemm fusions, cuBLAS),
-    attention (the KIVI kernels, cuDNN) and other."""
+    attention (the KIVI score and value kernels, cuDNN) and other (the append kernel among it)."""
     kind = lambda n: (
         "matmuls" if any(k in n for k in ("gemm", "nvjet", "cublas", "splitK"))
-        else "attention" if n.startswith("kivi_") or "cudnn" in n or "sdpa" in n
+        else "attention"
+        if n.startswith(("kivi_scores", "kivi_values")) or "cudnn" in n or "sdpa" in n
         else "other"
     )  # fmt: skip
     out = dict(matmuls=0.0, attention=0.0, other=0.0)
