@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -163,6 +164,17 @@ class CompileCounter:
             self.names.append(fun_name)
 
 
+class _LogLines(logging.Handler):
+    """Keeps the first 600 characters of each record logged to it."""
+
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage()[:600])
+
+
 def random_params(config: LlamaConfig, key) -> object:
     """Random bf16 weights of the config's shapes (matrices normal / sqrt(fan_in), norms 1),
     made on the device one array at a time: one small program per distinct shape (a jit of
@@ -200,16 +212,29 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     sampling = Sampling()
 
     programs0, compile0 = counter.programs, counter.seconds
+    config0 = dict(jax.config.values)
     t0 = time.perf_counter()
     jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
     first_call_s = time.perf_counter() - t0
+    config_changed = {
+        k: [repr(config0.get(k)), repr(v)]
+        for k, v in jax.config.values.items()
+        if config0.get(k) != v
+    }
     programs, compile_s = counter.programs - programs0, counter.seconds - compile0
     _log(f"first call ({programs} programs, {compile_s:.0f} s compiling)", t_row)
     # A second call of the same shapes (what it compiles is a recompilation), before the
     # traced runs: on the H200 (jax 0.11.2) a generate call after them failed with
     # CUDA_ERROR_LAUNCH_FAILED in the decode program (every full-cache row, some KIVI rows).
-    programs1 = counter.programs
-    jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
+    # jax explains each cache miss of the second call (logged at WARNING); kept in the row.
+    programs1, explained = counter.programs, _LogLines()
+    logging.getLogger("jax").addHandler(explained)
+    jax.config.update("jax_explain_cache_misses", True)
+    try:
+        jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
+    finally:
+        jax.config.update("jax_explain_cache_misses", False)
+        logging.getLogger("jax").removeHandler(explained)
     recompiled = counter.programs - programs1
     recompiled_names = counter.names[programs1:]
 
@@ -289,6 +314,8 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         "programs": programs,
         "recompiled": recompiled,
         "recompiled_programs": recompiled_names,
+        "cache_miss_explanations": explained.lines[:40],
+        "config_changed_by_first_call": config_changed,
         "first_call_s": first_call_s,
         "init_s": init_s,
         "kernels_per_step": {n: {"launches": k, "ms": t} for n, (k, t) in per_step.items()},
