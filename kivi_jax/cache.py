@@ -518,22 +518,26 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
 
 
 # A decode step's append on a GPU: one Pallas kernel per layer (pallas_kernels/append/gpu.py)
-# in place of ~13 XLA kernels; the XLA append stays the reference and the path elsewhere.
+# in place of ~11 XLA kernels; the XLA append stays the reference and the path elsewhere.
 _APPEND_FIELDS = (
     "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_residual", "v_residual"
 )  # fmt: skip
 
 
-def _append_kernel_applies(cache: KiviCache) -> bool:
+def _append_kernel_supports(cache: KiviCache) -> bool:
+    """Plain KIVI (no mixed state), 2/4-bit codes, power-of-two head_dim, G and R."""
     cfg, d = cache.config, cache.head_dim
-    pow2 = lambda x: x & (x - 1) == 0
+    pow2 = lambda x: (x & (x - 1)) == 0
     return (
-        jax.default_backend() == "gpu"
-        and cache.side is None
+        cache.side is None
         and cfg.k_bits in (2, 4)
         and cfg.v_bits in (2, 4)
         and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
     )
+
+
+def _append_kernel_applies(cache: KiviCache) -> bool:
+    return jax.default_backend() == "gpu" and _append_kernel_supports(cache)
 
 
 def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:

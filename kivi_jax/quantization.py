@@ -61,12 +61,13 @@ def as_float32(y: jax.Array) -> jax.Array:
     `y.astype(float32)` may not be y; quantization must compute with the s and z it stores."""
     if y.dtype == jnp.float32:
         return y
+    if y.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"as_float32 takes float32, bfloat16 or float16, got {y.dtype}")
     b = lax.bitcast_convert_type(y, jnp.uint16).astype(jnp.uint32)
     if y.dtype == jnp.bfloat16:
         return lax.bitcast_convert_type(b << 16, jnp.float32)
-    assert y.dtype == jnp.float16, y.dtype
-    sign, exp, mant = b >> 15 << 31, b >> 10 & 0x1F, b & 0x3FF
-    normal = sign | jnp.where(exp == 0x1F, 0xFF, exp + 112) << 23 | mant << 13
+    sign, exp, mant = (b >> 15) << 31, (b >> 10) & 0x1F, b & 0x3FF
+    normal = sign | (jnp.where(exp == 0x1F, 0xFF, exp + 112) << 23) | (mant << 13)
     subnormal = mant.astype(jnp.float32) * 2.0**-24  # exact: mant < 2^10
     return jnp.where(
         exp == 0,

@@ -1,5 +1,6 @@
-"""The fused append kernel (pallas_kernels/append/gpu.py, interpreted on the CPU) writes the
-same state as the XLA append, bit for bit, on fresh random inputs."""
+"""The fused append kernel (pallas_kernels/append/gpu.py; interpreted on the CPU, compiled on a
+GPU) writes the same state as the XLA append (the reference), bit for bit, on fresh random
+inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -16,64 +17,120 @@ CONFIGS = [
     (4, 2, 32, 64, 128, jnp.float32),
 ]
 ARGS = ("k_bits", "v_bits", "group_size", "residual", "head_dim", "dtype")
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def _use_xla_append(m):
+    m.setattr(kc, "_append_kernel_applies", lambda cache: False)
+
+
+def _use_kernel(m, *, interpret: bool, traced: list):
+    """The kernel wherever it supports the cache (interpreted: on any backend)."""
+    m.setattr(kc, "_append_kernel_applies", kc._append_kernel_supports)
+    kernel = kc._append_with_kernel
+
+    def counted(*args, **kwargs):
+        traced.append(1)
+        return kernel(*args, **kwargs, interpret=interpret)
+
+    m.setattr(kc, "_append_with_kernel", counted)
+
+
+def _both_ways(monkeypatch, run, *, interpret: bool):
+    """run() with the XLA append, then with the kernel; the jit caches cleared around each, as
+    the path is chosen when a function is traced."""
+    out, traced = [], []
+    for use in (_use_xla_append, lambda m: _use_kernel(m, interpret=interpret, traced=traced)):
+        with monkeypatch.context() as m:
+            use(m)
+            jax.clear_caches()
+            out.append(run())
+    jax.clear_caches()
+    assert traced, "the kernel was not used"
+    return out
+
+
+def _state(cfg, lengths, H, D, max_len, dtype, rng):
+    B, seq = len(lengths), max(int(lengths.max()), 1)
+    k = jnp.asarray(rng.standard_normal((B, seq, H, D)) * 3, dtype)
+    v = jnp.asarray(rng.standard_normal((B, seq, H, D)), dtype)
+    cache = kivi_jax.init_cache(
+        cfg, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
+    )
+    return kivi_jax.prefill(cache, k, v, lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def _assert_same_state(got, want):
+    bytes_of = lambda x: np.asarray(x).view(np.uint8)
+    paths = jax.tree_util.tree_flatten_with_path(got)[0]
+    differing = {
+        jax.tree_util.keystr(path): int(np.sum(bytes_of(a) != bytes_of(b)))
+        for (path, a), b in zip(paths, jax.tree.leaves(want), strict=True)
+    }
+    assert not any(differing.values()), {k: n for k, n in differing.items() if n}
+
+
+def _check(monkeypatch, k_bits, v_bits, G, R, D, dtype, *, lengths, active, H, interpret):
+    max_len = 320
+    rng = np.random.default_rng(k_bits * 100 + v_bits * 10 + G)
+    cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
+    cache = _state(cfg, lengths, H, D, max_len, dtype, rng)
+    k_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)) * 3, dtype)
+    v_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)), dtype)
+    # under jit, as in a decode loop (a full row's token is then dropped and flagged)
+    append = jax.jit(lambda c, k, v, a: kivi_jax.append(c, k, v, active=a))
+    run = lambda: append(cache, k_new, v_new, jnp.asarray(active))
+    want, got = _both_ways(monkeypatch, run, interpret=interpret)
+    _assert_same_state(got, want)
+
+
+def _edge_rows(G, R, max_len=320):
+    # empty, mid-group, completing a group, completing the first R, a value leaving with a
+    # group completing, inactive, the last slot of the capacity, full (the token overflows)
+    lengths = np.array([0, 5, 2 * G - 1, R - 1, R + 3 * G - 1, R + 3, max_len - 1, max_len])
+    return lengths, np.array([True, True, True, True, True, False, True, True])
 
 
 @pytest.mark.parametrize(ARGS, CONFIGS)
 def test_the_kernel_appends_what_the_xla_append_does(
-    k_bits, v_bits, group_size, residual, head_dim, dtype
+    monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype
 ):
-    _check(k_bits, v_bits, group_size, residual, head_dim, dtype, interpret=True)
+    lengths, active = _edge_rows(group_size, residual)
+    _check(monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype,
+           lengths=lengths, active=active, H=2, interpret=True)  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@needs_gpu
 @pytest.mark.parametrize(ARGS, CONFIGS)
 def test_on_the_gpu_the_kernel_appends_what_the_xla_append_does(
     monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype
 ):
-    # the reference: XLA's append on the same GPU
-    monkeypatch.setattr(kc, "_append_kernel_applies", lambda cache: False)
-    _check(k_bits, v_bits, group_size, residual, head_dim, dtype, interpret=False)
+    lengths, active = _edge_rows(group_size, residual)
+    _check(monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype,
+           lengths=lengths, active=active, H=2, interpret=False)  # fmt: skip
 
 
-def _check(k_bits, v_bits, group_size, residual, head_dim, dtype, *, interpret):
-    G, R, D, B, H, max_len = group_size, residual, head_dim, 7, 2, 320
-    # empty, mid-group, completing a group, completing the first R, a value leaving with a
-    # group completing, inactive, the last slot of the capacity
-    lengths = np.array([0, 5, 2 * G - 1, R - 1, R + 3 * G - 1, R + 3, max_len - 1])
-    active = jnp.array([True, True, True, True, True, False, True])
-    rng = np.random.default_rng(k_bits * 100 + v_bits * 10 + G)
-    seq = int(lengths.max())
-    k = jnp.asarray(rng.standard_normal((B, seq, H, D)) * 3, dtype)
-    v = jnp.asarray(rng.standard_normal((B, seq, H, D)), dtype)
-    cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
-    cache = kivi_jax.init_cache(
-        cfg, batch=B, max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype
-    )
-    cache = kivi_jax.prefill(cache, k, v, lengths=jnp.asarray(lengths, jnp.int32))
-    k_new = jnp.asarray(rng.standard_normal((B, H, D)) * 3, dtype)
-    v_new = jnp.asarray(rng.standard_normal((B, H, D)), dtype)
-
-    want = kivi_jax.append(cache, k_new, v_new, active=active)
-    got = kc._append_with_kernel(
-        cache, k_new, v_new, cache.lengths, active.astype(jnp.int32), interpret=interpret
-    )
-    differing = {
-        name: int(
-            np.sum(
-                np.asarray(got[name]).view(np.uint8)
-                != np.asarray(getattr(want, name)).view(np.uint8)
-            )
-        )
-        for name in kc._APPEND_FIELDS
-    }
-    assert not any(differing.values()), differing
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(ARGS, CONFIGS)
+def test_on_the_gpu_the_kernel_quantizes_millions_of_codes_as_xla_does(
+    monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype
+):
+    # every row completes a key group and has a value leaving the window: 256 rows x 8 heads
+    # quantize 256 * 8 * G * D key codes and 256 * 8 * D value codes (1-2 M and 0.1-0.3 M)
+    G, R = group_size, residual
+    groups = np.random.default_rng(1).integers(0, (320 - R) // G, 256)
+    lengths = R + groups * G + G - 1
+    _check(monkeypatch, k_bits, v_bits, G, R, head_dim, dtype,
+           lengths=lengths, active=np.ones(256, bool), H=8, interpret=False)  # fmt: skip
 
 
 def test_the_kernel_is_used_only_on_a_gpu():
     cache = kivi_jax.init_cache(
         kivi_jax.KIVI2, batch=1, max_len=64, num_kv_heads=1, head_dim=64, dtype=jnp.float32
     )
+    assert kc._append_kernel_supports(cache)
     assert kc._append_kernel_applies(cache) == (jax.default_backend() == "gpu")
 
 
@@ -87,15 +144,5 @@ def test_generate_with_the_kernel_gives_the_tokens_of_the_xla_append(monkeypatch
     tokens = rng.integers(0, params.config.vocab_size, (3, 150)).astype(np.int32)
     lengths = np.array([150, 97, 120])
     run = lambda: kivi_jax.generate(params, tokens, lengths=lengths, max_new_tokens=40)
-    want = run()
-    traced, kernel = [], kc._append_with_kernel
-
-    def interpreted(*args, **kwargs):
-        traced.append(1)
-        return kernel(*args, **kwargs, interpret=True)
-
-    monkeypatch.setattr(kc, "_append_kernel_applies", lambda cache: cache.side is None)
-    monkeypatch.setattr(kc, "_append_with_kernel", interpreted)
-    jax.clear_caches()
-    np.testing.assert_array_equal(run(), want)
-    assert traced
+    want, got = _both_ways(monkeypatch, run, interpret=True)
+    np.testing.assert_array_equal(got, want)

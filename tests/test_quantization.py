@@ -73,8 +73,8 @@ def test_as_float32_is_the_exact_value_of_every_16bit_pattern(dtype):
 @pytest.mark.parametrize("axis", [2, -1])
 def test_jitted_on_the_gpu_quantize_stores_the_cpus_scales_and_zeros(rng, dtype, axis):
     # XLA on GPUs folds float32 -> 16-bit -> float32 round trips (excess precision); the
-    # scales must still be rounded up. The codes may differ by one at exact ties: XLA's
-    # float32 division on GPUs is div.full (within 2 ulp), the CPU's is IEEE.
+    # scales must still be rounded up. The codes may differ by one near a rounding boundary:
+    # on a GPU XLA divides (div.full, within 2 ulp), on the CPU it multiplies by 1 / s.
     x = jnp.asarray(rng.standard_normal((4, 8, 64, 128)) * 3, dtype)
     f = jax.jit(lambda x: qz.quantize(x, 2, 32, axis, dtype))
     gpu = [np.asarray(a) for a in f(x)]

@@ -1,1 +1,1 @@
-"""The fused KIVI append (experiment: gpu.py)."""
+"""A decode step's KIVI append as one GPU kernel per layer (gpu.py)."""

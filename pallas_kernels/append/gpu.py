@@ -1,6 +1,6 @@
 """A decode step's KIVI append as one kernel per layer (Pallas, Triton lowering).
 
-The XLA append (`kivi_jax.cache._extend_kivi`, the reference) costs ~13 small kernels per
+The XLA append (`kivi_jax.cache._extend_kivi`, the reference) costs ~11 small kernels per
 layer and step; this one program per (sequence, KV head) writes what the step writes, in
 place (every array aliased to its input):
 
@@ -12,8 +12,11 @@ place (every array aliased to its input):
 
 The arithmetic is `kivi_jax.quantization.quantize`'s, step by step, so that the state stays
 bit-identical to prefill's: min and max (exact), scale = round_up((hi - lo) * (1 / levels))
-(XLA turns the division by the constant into this product), codes = round((x - z) / s).
-Rows with count 0 (inactive or full) write nothing. Plain KIVI only (no mixed state).
+(XLA turns the division by the constant into this product), codes = round((x - z) / s), a
+division, as XLA's on a GPU (div.full). XLA on the CPU multiplies by 1 / s instead, and does so
+in this kernel's interpreted body too, so interpreted it matches the CPU's XLA append.
+Rows with count 0 (inactive or full) write nothing. Plain KIVI only (no mixed state), 2/4-bit
+codes, power-of-two head_dim, G and R (`kivi_jax.cache._append_kernel_supports`).
 """
 
 from __future__ import annotations
