@@ -165,14 +165,16 @@ class CompileCounter:
 
 
 class _LogLines(logging.Handler):
-    """Keeps the first 600 characters of each record logged to it."""
+    """Keeps the distinct records logged to it (the first 60, 4000 characters each)."""
 
     def __init__(self):
         super().__init__(level=logging.DEBUG)
         self.lines = []
 
     def emit(self, record):
-        self.lines.append(record.getMessage()[:600])
+        line = record.getMessage()[:4000]
+        if line not in self.lines and len(self.lines) < 60:
+            self.lines.append(line)
 
 
 def random_params(config: LlamaConfig, key) -> object:
@@ -216,6 +218,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
     first_call_s = time.perf_counter() - t0
+    # global config values only (thread-local contexts such as default_device are not seen)
     config_changed = {
         k: [repr(config0.get(k)), repr(v)]
         for k, v in jax.config.values.items()
@@ -228,12 +231,13 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
     # CUDA_ERROR_LAUNCH_FAILED in the decode program (every full-cache row, some KIVI rows).
     # jax explains each cache miss of the second call (logged at WARNING); kept in the row.
     programs1, explained = counter.programs, _LogLines()
+    explain0 = jax.config.jax_explain_cache_misses
     logging.getLogger("jax").addHandler(explained)
     jax.config.update("jax_explain_cache_misses", True)
     try:
         jax.block_until_ready(generate(params, tokens, kv=row.kv, max_new_tokens=row.new_tokens))
     finally:
-        jax.config.update("jax_explain_cache_misses", False)
+        jax.config.update("jax_explain_cache_misses", explain0)
         logging.getLogger("jax").removeHandler(explained)
     recompiled = counter.programs - programs1
     recompiled_names = counter.names[programs1:]
@@ -314,7 +318,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         "programs": programs,
         "recompiled": recompiled,
         "recompiled_programs": recompiled_names,
-        "cache_miss_explanations": explained.lines[:40],
+        "cache_miss_explanations": explained.lines,
         "config_changed_by_first_call": config_changed,
         "first_call_s": first_call_s,
         "init_s": init_s,
@@ -460,6 +464,8 @@ def max_batch(args) -> None:
             spec_b = f"{model}:{kv}:{batch}:{setting}"
             path = args.out / _file(f"{spec_b}:{budget}", prefix="try")
             r = run_subprocess(spec_b, path, env=env_b, described=described, args=args)
+            r["budget_gb"] = budget_gb
+            path.write_text(json.dumps(r))
             if "error" in r:  # out of memory, as a rule: the entry keeps the message
                 failed = batch if failed is None else min(failed, batch)
                 errors[batch] = r["error"]
@@ -514,18 +520,21 @@ def merge(args) -> None:
         if "step_ms" in r or "step_ms" not in latest.get(key, {}):
             latest[key] = r
     rows = list(latest.values())
-    # A search run again replaces the earlier one, and its tries replace the earlier tries.
-    searched = {}
-    for m in searches:
-        searched[tuple(m[k] for k in ("model", "kv", "budget_gb", "prompt", "new_tokens"))] = m
+    # A search run again replaces the earlier one, and its tries replace the earlier tries (a
+    # try without its budget, as older calls wrote them, goes with any search of its row).
+    key = lambda m, budget: (m["model"], m["kv"], budget, m["prompt"], m["new_tokens"])
+    searched = {key(m, m["budget_gb"]): m for m in searches}
     searches = list(searched.values())
-    latest_call = {(m["model"], m["kv"], m["prompt"], m["new_tokens"]): m["call"] for m in searches}
-    tries = [
-        t
-        for t in tries
-        if latest_call.get((t["model"], t["kv"], t["prompt"], t["new_tokens"]), t["call"])
-        == t["call"]
-    ]
+
+    def current(t) -> bool:
+        budgets = (
+            [t["budget_gb"]] if t.get("budget_gb") is not None
+            else [m["budget_gb"] for m in searches]
+        )  # fmt: skip
+        calls = {searched[key(t, b)]["call"] for b in budgets if key(t, b) in searched}
+        return not calls or t["call"] in calls
+
+    tries = [t for t in tries if current(t)]
     used = {r["call"] for r in [*rows, *searches, *tries]}
     calls = {name: c for name, c in calls.items() if name in used}
     first = next(iter(calls.values()))
