@@ -522,8 +522,8 @@ def merge(args) -> None:
     rows = list(latest.values())
     # A search run again replaces the earlier one, and its tries replace the earlier tries (a
     # try without its budget, as older calls wrote them, goes with any search of its row).
-    key = lambda m, budget: (m["model"], m["kv"], budget, m["prompt"], m["new_tokens"])
-    searched = {key(m, m["budget_gb"]): m for m in searches}
+    search_key = lambda m, budget: (m["model"], m["kv"], budget, m["prompt"], m["new_tokens"])
+    searched = {search_key(m, m["budget_gb"]): m for m in searches}
     searches = list(searched.values())
 
     def current(t) -> bool:
@@ -531,7 +531,8 @@ def merge(args) -> None:
             [t["budget_gb"]] if t.get("budget_gb") is not None
             else [m["budget_gb"] for m in searches]
         )  # fmt: skip
-        calls = {searched[key(t, b)]["call"] for b in budgets if key(t, b) in searched}
+        keys = [search_key(t, b) for b in budgets]
+        calls = {searched[k]["call"] for k in keys if k in searched}
         return not calls or t["call"] in calls
 
     tries = [t for t in tries if current(t)]

@@ -18,6 +18,7 @@ CONFIGS = [
 ]
 ARGS = ("k_bits", "v_bits", "group_size", "residual", "head_dim", "dtype")
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+MAX_LEN = 320  # every test state's capacity
 
 
 def _use_xla_append(m):
@@ -71,10 +72,9 @@ def _assert_same_state(got, want):
 
 
 def _check(monkeypatch, k_bits, v_bits, G, R, D, dtype, *, lengths, active, H, interpret):
-    max_len = 320
     rng = np.random.default_rng(k_bits * 100 + v_bits * 10 + G)
     cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
-    cache = _state(cfg, lengths, H, D, max_len, dtype, rng)
+    cache = _state(cfg, lengths, H, D, MAX_LEN, dtype, rng)
     k_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)) * 3, dtype)
     v_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)), dtype)
     # under jit, as in a decode loop (a full row's token is then dropped and flagged)
@@ -84,31 +84,27 @@ def _check(monkeypatch, k_bits, v_bits, G, R, D, dtype, *, lengths, active, H, i
     _assert_same_state(got, want)
 
 
-def _edge_rows(G, R, max_len=320):
+def _edge_rows(G, R):
     # empty, mid-group, completing a group, completing the first R, a value leaving with a
     # group completing, inactive, the last slot of the capacity, full (the token overflows)
-    lengths = np.array([0, 5, 2 * G - 1, R - 1, R + 3 * G - 1, R + 3, max_len - 1, max_len])
+    lengths = np.array([0, 5, 2 * G - 1, R - 1, R + 3 * G - 1, R + 3, MAX_LEN - 1, MAX_LEN])
     return lengths, np.array([True, True, True, True, True, False, True, True])
 
 
+@pytest.mark.parametrize(
+    "interpret",
+    [
+        pytest.param(True, id="interpreted"),
+        pytest.param(False, id="gpu", marks=[pytest.mark.gpu, needs_gpu]),
+    ],
+)
 @pytest.mark.parametrize(ARGS, CONFIGS)
 def test_the_kernel_appends_what_the_xla_append_does(
-    monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype
+    monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype, interpret
 ):
     lengths, active = _edge_rows(group_size, residual)
     _check(monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype,
-           lengths=lengths, active=active, H=2, interpret=True)  # fmt: skip
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize(ARGS, CONFIGS)
-def test_on_the_gpu_the_kernel_appends_what_the_xla_append_does(
-    monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype
-):
-    lengths, active = _edge_rows(group_size, residual)
-    _check(monkeypatch, k_bits, v_bits, group_size, residual, head_dim, dtype,
-           lengths=lengths, active=active, H=2, interpret=False)  # fmt: skip
+           lengths=lengths, active=active, H=2, interpret=interpret)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -120,7 +116,7 @@ def test_on_the_gpu_the_kernel_quantizes_millions_of_codes_as_xla_does(
     # every row completes a key group and has a value leaving the window: 256 rows x 8 heads
     # quantize 256 * 8 * G * D key codes and 256 * 8 * D value codes (1-2 M and 0.1-0.3 M)
     G, R = group_size, residual
-    groups = np.random.default_rng(1).integers(0, (320 - R) // G, 256)
+    groups = np.random.default_rng(1).integers(0, (MAX_LEN - R) // G, 256)
     lengths = R + groups * G + G - 1
     _check(monkeypatch, k_bits, v_bits, G, R, head_dim, dtype,
            lengths=lengths, active=np.ones(256, bool), H=8, interpret=False)  # fmt: skip

@@ -115,6 +115,7 @@ def append_kernel(
 ):  # fmt: skip
     """The kernel over one layer's arrays (kivi_jax.cache's layout); k, v [B, H, D] in the
     cache dtype, counts [B] in {0, 1} (tokens that fit). Returns the 8 arrays, updated."""
+    state = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
     B, H, C, _ = v_codes.shape
     D = k.shape[-1]
     G, R = group_size, residual_length
@@ -162,8 +163,4 @@ def append_kernel(
         interpret=interpret,
         name="kivi_append",
     )(lengths, counts, k, v.reshape(B, H, D // G, G // vpb, vpb), *views)
-    shapes = [
-        x.shape
-        for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
-    ]
-    return [o.reshape(s) for o, s in zip(out, shapes, strict=True)]
+    return [o.reshape(x.shape) for o, x in zip(out, state, strict=True)]
