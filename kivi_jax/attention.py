@@ -102,7 +102,7 @@ def decode_attention(
     check_decode_inputs(q, cache)
     if impl == "reference":
         return decode_attention_reference(q, cache)
-    # Imported here so that `import kivi_jax` does not pull in Pallas.
+    # Imported here: the kernel modules (Triton, TPU lowering helpers) load when first used.
     from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
     kernels = {  # impl: (its backend, in words, the kernel, what it does not support)

@@ -7,7 +7,9 @@ matmul reads its weight buffer where it lies and every layer's KV state is a buf
 so a decode step copies neither. (Under `lax.scan` over stacked weights, XLA copies each layer's
 weight matrices out of the stack before the matmuls read them: H200, 7B widths, batch 16, 1.37
 against 0.51 ms for 4 layers; benchmarks/results/layer_layout.md, docs/design.md.) XLA
-compiles each distinct Pallas kernel once however many layers call it.
+compiles each distinct Pallas kernel once however many layers call it. The q, k and v
+projections are one matrix, and so are the MLP's gate and up projections: one matmul each,
+which reads the weights closer to the memory bandwidth than two or three smaller ones.
 
 Three entry points share the same block code:
   forward         tokens [B, S] -> float32 logits [B, S, V]; causal full-precision attention.
@@ -42,17 +44,61 @@ from kivi_jax.cache import prefill as cache_prefill
 
 @flax.struct.dataclass
 class LayerWeights:
-    """One decoder block's weights (x @ w layout: [in, out])."""
+    """One decoder block's weights (x @ w layout: [in, out]). Build it from the separate
+    projections with `from_projections`; `wq` ... `w_up` read them back (slices)."""
 
     attn_norm: jax.Array  # [d]
-    wq: jax.Array  # [d, N*D]
-    wk: jax.Array  # [d, H*D]
-    wv: jax.Array  # [d, H*D]
+    w_qkv: jax.Array  # [d, N*D + 2*H*D]: q, k, v projections side by side
     wo: jax.Array  # [N*D, d]
     mlp_norm: jax.Array  # [d]
-    w_gate: jax.Array  # [d, F]
-    w_up: jax.Array  # [d, F]
+    w_gate_up: jax.Array  # [d, 2*F]: gate, up
     w_down: jax.Array  # [F, d]
+
+    @classmethod
+    def from_projections(
+        cls, *, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down
+    ) -> LayerWeights:
+        """From the separate matrices (wq [d, N*D], wk / wv [d, H*D], w_gate / w_up [d, F])."""
+        if wk.shape != wv.shape or w_gate.shape != w_up.shape:
+            raise ValueError(
+                f"wk {wk.shape} and wv {wv.shape}, w_gate {w_gate.shape} and w_up "
+                f"{w_up.shape} must have the same shapes"
+            )
+        return cls(
+            attn_norm=attn_norm,
+            w_qkv=jnp.concatenate([wq, wk, wv], axis=1),
+            wo=wo,
+            mlp_norm=mlp_norm,
+            w_gate_up=jnp.concatenate([w_gate, w_up], axis=1),
+            w_down=w_down,
+        )
+
+    @property
+    def _q_kv_widths(self) -> tuple[int, int]:
+        q = self.wo.shape[0]
+        return q, (self.w_qkv.shape[1] - q) // 2
+
+    @property
+    def wq(self) -> jax.Array:
+        return self.w_qkv[:, : self._q_kv_widths[0]]
+
+    @property
+    def wk(self) -> jax.Array:
+        q, kv = self._q_kv_widths
+        return self.w_qkv[:, q : q + kv]
+
+    @property
+    def wv(self) -> jax.Array:
+        q, kv = self._q_kv_widths
+        return self.w_qkv[:, q + kv :]
+
+    @property
+    def w_gate(self) -> jax.Array:
+        return self.w_gate_up[:, : self.w_down.shape[0]]
+
+    @property
+    def w_up(self) -> jax.Array:
+        return self.w_gate_up[:, self.w_down.shape[0] :]
 
 
 @flax.struct.dataclass
@@ -86,7 +132,7 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
         return (1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     layers = tuple(
-        LayerWeights(
+        LayerWeights.from_projections(
             attn_norm=norm((d,)),
             wq=dense((d, c.num_heads * c.head_dim), d),
             wk=dense((d, c.num_kv_heads * c.head_dim), d),
@@ -113,13 +159,10 @@ def validate_params(params: LlamaParams) -> None:
         raise ValueError(f"{len(params.layers)} layers of weights, the config has {c.num_layers}")
     layer = dict(
         attn_norm=(d,),
-        wq=(d, qd),
-        wk=(d, kvd),
-        wv=(d, kvd),
+        w_qkv=(d, qd + 2 * kvd),
         wo=(qd, d),
         mlp_norm=(d,),
-        w_gate=(d, F),
-        w_up=(d, F),
+        w_gate_up=(d, 2 * F),
         w_down=(F, d),
     )
     expected = {"embed": (params.embed, (V, d)), "final_norm": (params.final_norm, (d,))}
@@ -149,15 +192,19 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
     """x [..., d], positions [...] -> q [..., N, D], k, v [..., H, D] (RoPE applied to q and k)."""
-    q = _dense(x, lw.wq).reshape(*x.shape[:-1], c.num_heads, c.head_dim)
-    k = _dense(x, lw.wk).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
-    v = _dense(x, lw.wv).reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
+    qkv = _dense(x, lw.w_qkv)  # [..., N*D + 2*H*D]
+    qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q = qkv[..., :qd].reshape(*x.shape[:-1], c.num_heads, c.head_dim)
+    k = qkv[..., qd : qd + kvd].reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
+    v = qkv[..., qd + kvd :].reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
     cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def _mlp(lw: LayerWeights, x: jax.Array) -> jax.Array:
-    gate, up = _dense(x, lw.w_gate), _dense(x, lw.w_up)
+    gate_up = _dense(x, lw.w_gate_up)  # [..., 2F]
+    F = lw.w_down.shape[0]
+    gate, up = gate_up[..., :F], gate_up[..., F:]
     return _dense(jax.nn.silu(gate) * up, lw.w_down)
 
 

@@ -131,3 +131,18 @@ def test_config_rejects_inconsistent_heads():
             num_kv_heads=1,
             head_dim=8,
         )
+
+
+def test_layer_weights_hold_qkv_and_gate_up_as_one_matrix_each(rng):
+    d, q, kv, F = 8, 12, 4, 10
+    shapes = dict(
+        attn_norm=(d,), wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), mlp_norm=(d,),
+        w_gate=(d, F), w_up=(d, F), w_down=(F, d),
+    )  # fmt: skip
+    parts = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    lw = kivi_jax.models.llama.LayerWeights.from_projections(**parts)
+    assert lw.w_qkv.shape == (d, q + 2 * kv) and lw.w_gate_up.shape == (d, 2 * F)
+    for name, w in parts.items():
+        np.testing.assert_array_equal(np.asarray(getattr(lw, name)), w)
+    with pytest.raises(ValueError, match="same shapes"):
+        kivi_jax.models.llama.LayerWeights.from_projections(**{**parts, "wv": parts["wq"]})

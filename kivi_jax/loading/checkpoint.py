@@ -21,7 +21,7 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 
 MARKER = "kivi_model.json"
-_FORMAT = "kivi-jax-orbax-v2"  # v2: one entry of weights per layer (v1 stacked them)
+_FORMAT = "kivi-jax-orbax-v3"  # v3: q/k/v and gate/up as one matrix each; v2 one entry per layer
 
 
 def is_saved_model(path: str) -> bool:

@@ -150,7 +150,7 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
             elif field == "wk":
                 w = _unpermute(w, config.num_kv_heads)
             weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
-        layers.append(LayerWeights(**weights))
+        layers.append(LayerWeights.from_projections(**weights))
         if progress:
             progress(f"{i + 1}/{config.num_layers} layers")
     if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
