@@ -21,11 +21,12 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 from pathlib import Path as _Path
 
-# Pallas is imported with the package, not when a first kernel is traced: jax 0.11 defines a
-# config value that is part of every jit cache key when Pallas is first imported
-# (`pallas_fuser_disable_nested_fuse`), so a lazy import inside the first `generate` re-keyed
-# every program compiled before it, and the second call compiled them all again.
-import jax.experimental.pallas  # noqa: F401
+# Pallas's fuser is imported with the package, not when a first kernel is traced: jax 0.11
+# defines a config value that is part of every jit cache key when it is first imported
+# (`pallas_fuser_disable_nested_fuse`, jax._src.pallas.fuser.jaxpr_fusion), so a lazy import
+# inside the first `generate` re-keyed every program compiled before it, and the second call
+# compiled them all again.
+import jax.experimental.pallas.fuser  # noqa: F401
 
 from kivi_jax.attention import decode_attention, decode_attention_reference
 from kivi_jax.cache import (
