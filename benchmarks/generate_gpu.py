@@ -394,7 +394,10 @@ def run_subprocess(spec: str, path: Path, *, env: dict, described: dict, args) -
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
-        err = done.stderr.strip().splitlines()[-1:] or ["?"]
+        # The error's own line (jax may print a note on traceback filtering after it).
+        lines = done.stderr.strip().splitlines()
+        err = [ln for ln in lines if "Error" in ln and "JAX_TRACEBACK_FILTERING" not in ln]
+        err = err[-1:] or lines[-1:] or ["?"]
         failed = {**dataclasses.asdict(Row.parse(spec)), "call": args.call, "error": err[0][:500]}
         path.write_text(json.dumps(failed))
         print(f"{spec}: FAILED ({err[0][:300]})", flush=True)
