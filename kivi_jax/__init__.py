@@ -26,7 +26,7 @@ from pathlib import Path as _Path
 # (`pallas_fuser_disable_nested_fuse`, jax._src.pallas.fuser.jaxpr_fusion), so a lazy import
 # inside the first `generate` re-keyed every program compiled before it, and the second call
 # compiled them all again.
-import jax.experimental.pallas.fuser  # noqa: F401
+import jax.experimental.pallas.fuser as _pallas_fuser  # noqa: F401
 
 from kivi_jax.attention import decode_attention, decode_attention_reference
 from kivi_jax.cache import (

@@ -38,6 +38,7 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.rope import apply_rope, rope_angles
 
 from kivi_jax.attention import decode_attention
+from kivi_jax.cache import KiviCache, init_cache
 from kivi_jax.cache import append as cache_append
 from kivi_jax.cache import prefill as cache_prefill
 
@@ -59,10 +60,13 @@ class LayerWeights:
         cls, *, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down
     ) -> LayerWeights:
         """From the separate matrices (wq [d, N*D], wk / wv [d, H*D], w_gate / w_up [d, F])."""
-        if wk.shape != wv.shape or w_gate.shape != w_up.shape:
+        for (a, x), (b, y) in ((("wk", wk), ("wv", wv)), (("w_gate", w_gate), ("w_up", w_up))):
+            if x.shape != y.shape:
+                raise ValueError(f"{a} {x.shape} and {b} {y.shape} must have the same shape")
+        if not wq.shape[0] == wk.shape[0] == w_gate.shape[0]:
             raise ValueError(
-                f"wk {wk.shape} and wv {wv.shape}, w_gate {w_gate.shape} and w_up "
-                f"{w_up.shape} must have the same shapes"
+                f"wq {wq.shape}, wk {wk.shape} and w_gate {w_gate.shape} must have the same "
+                "input width"
             )
         return cls(
             attn_norm=attn_norm,
@@ -354,20 +358,33 @@ def prefill(
         logits, caches = carry
         start = jnp.minimum(i * rows, B - rows)
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0)
-        put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=0)
-        out, caches = _prefill_all(
-            params, take(tokens), take(lengths), caches, put=lambda c, f: jax.tree.map(put, c, f)
-        )
-        return put(logits, out), caches
+        put_rows = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, 0)
+        put_state = lambda cache, filled: jax.tree.map(put_rows, cache, filled)
+        out, caches = _prefill_all(params, take(tokens), take(lengths), caches, put=put_state)
+        return put_rows(logits, out), caches
 
     logits = jnp.zeros((B, params.config.vocab_size), jnp.float32)
     return jax.lax.fori_loop(0, -(-B // rows), chunk, (logits, tuple(caches)))
 
 
+def _empty_like(cache, batch: int):
+    """An empty state of `cache`'s kind and capacity for `batch` sequences (init_cache's fill
+    values: a mixed state's empty heavy-token slots are -1 / -inf, not zeros)."""
+    return init_cache(
+        cache.config if isinstance(cache, KiviCache) else None,
+        batch=batch,
+        max_len=cache.max_len,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        dtype=cache.dtype,
+    )
+
+
 def _prefill_all(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, caches, put=None):
-    """`prefill` of the rows of `tokens` in one pass. Without `put`, `caches` are their empty
-    states, returned filled; with it, larger states (every row of the batch) that each layer's
-    filled state is written into by `put(cache, filled)` as soon as it is made."""
+    """`prefill` of the rows of `tokens` [b, S] in one pass. Without `put`, `caches` are their
+    empty states, returned filled; with it, the states of the whole batch, and each layer's
+    filled state of the b rows is written into its layer's by `put(cache, filled)` as soon as
+    it is made."""
     c = params.config
     h, out = _embed(params, tokens), []
     for lw, cache in zip(params.layers, caches, strict=True):
@@ -375,15 +392,15 @@ def _prefill_all(params: LlamaParams, tokens: jax.Array, lengths: jax.Array, cac
         if put is None:
             state = cache_prefill(cache, k, v, lengths, q=q)
         else:
-            rows = lambda x: jnp.zeros((tokens.shape[0], *x.shape[1:]), x.dtype)
-            state = put(cache, cache_prefill(jax.tree.map(rows, cache), k, v, lengths, q=q))
+            empty = _empty_like(cache, tokens.shape[0])
+            state = put(cache, cache_prefill(empty, k, v, lengths, q=q))
         # The barrier makes the next block wait for this layer's state, so that its K/V die
-        # here: left free, XLA wrote every layer's state at the end and kept the K/V of all
-        # layers alive until then (H200, Llama-2-7B, 10 rows of 2048 tokens: 15.5 GB of
-        # prefill scratch, 25.0 with q/k/v as one matmul).
+        # here: left free, XLA on a GPU wrote every layer's state at the end and kept the K/V
+        # of all layers alive until then (H200, Llama-2-7B, 10 rows of 2048 tokens, q/k/v as
+        # one matmul: 25.0 GB of prefill scratch, 2.6 GB with the barrier).
         h, state = jax.lax.optimization_barrier((h, state))
         out.append(state)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
     return _logits(params, last), tuple(out)
 
 

@@ -6,6 +6,7 @@ token, which would make token-equality checks vacuous.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -101,6 +102,26 @@ def test_prefill_in_chunks_of_rows_gives_the_tokens_of_one_pass(params, kv):
     whole = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths)
     chunked = generate(params, batch, kv=kv, max_new_tokens=N, lengths=lengths, prefill_rows=2)
     np.testing.assert_array_equal(chunked, whole)
+
+
+def test_prefill_in_chunks_of_rows_starts_each_chunk_from_empty_states(params):
+    # A mixed state's empty heavy-token slots are -1 (not 0, a valid position): a chunk's
+    # rows start from init_cache's empty state, as a prefill of them alone does.
+    from kivi_jax.models import llama
+
+    cfg = dataclasses.replace(kivi_jax.KIVI2_MIX, heavy_tokens=32)
+    prompts = np.stack([prompt(70, seed=b) for b in range(3)])
+    lengths = jnp.asarray([70, 40, 55], jnp.int32)
+    empty = lambda batch: kivi_jax.init_cache(
+        cfg, batch=batch, max_len=128, num_kv_heads=params.config.num_kv_heads,
+        head_dim=params.config.head_dim, dtype=params.dtype, num_layers=params.config.num_layers,
+    )  # fmt: skip
+    prefill = jax.jit(llama.prefill, static_argnames="rows")
+    _, chunked = prefill(params, prompts, lengths, empty(3), rows=2)
+    for b in range(3):
+        _, alone = prefill(params, prompts[b : b + 1], lengths[b : b + 1], empty(1))
+        heavy = lambda states, row: np.asarray(states[0].side.heavy_pos[row])
+        np.testing.assert_array_equal(heavy(chunked, b), heavy(alone, 0))
 
 
 @pytest.mark.parametrize("kv", ["full", "kivi2"])
@@ -248,7 +269,9 @@ def test_a_decode_step_copies_neither_weights_nor_cache(monkeypatch, kv):
     monkeypatch.setattr(llama, "decode_attention", lambda q, cache: q)
     config = tiny_config(hidden_size=512, intermediate_size=1024, num_layers=3, max_context=4096)
     params = kivi_jax.init_params(config, jax.random.key(0))
-    smallest_weight = min(x.nbytes for x in jax.tree.leaves(params.layers[0]) if x.ndim == 2)
+    lw = params.layers[0]
+    projections = (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)
+    smallest_weight = min(x.nbytes for x in projections)
 
     def scratch(new_tokens):
         lowered = _decode_program(params, kv, batch=2, prompt_len=100, new_tokens=new_tokens)

@@ -42,7 +42,8 @@ def test_gguf_quantized_tensors_are_dequantized(tmp_path):
     assert model.params.embed.dtype == jnp.float32
     # Q8_0: blocks of 32 weights with scale amax/127; rounding moves a weight by <= scale/2
     # (the 1-D norm weights are stored unquantized, so they come back exactly)
-    fields = list(vars(params.layers[0]))
+    # per projection (the properties read the parts of w_qkv and w_gate_up)
+    fields = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
     stacked = lambda p: [np.stack([getattr(lw, f) for lw in p.layers]) for f in fields]
     for name, loaded, original in zip(
         ["embed", "final_norm", *fields],
@@ -177,3 +178,15 @@ def test_hf_directory_with_bfloat16_safetensors(tmp_path):
     save_file({k: v.astype(jnp.bfloat16) for k, v in load_file(file).items()}, file)
     model = kivi_jax.load_model(tmp_path, dtype=jnp.float32)
     assert_same_logits(model.params, params.astype(jnp.bfloat16).astype(jnp.float32), atol=1e-5)
+
+
+def test_hf_directory_with_a_misshapen_projection_names_the_layer(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    write_hf_dir(str(tmp_path), tiny_params())
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.self_attn.v_proj.weight"
+    tensors[name] = tensors[name][:-1]  # one output row short: wv no longer matches wk
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"layer 1: wk .* and wv .* must have the same shape"):
+        kivi_jax.load_model(tmp_path)

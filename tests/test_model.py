@@ -144,5 +144,5 @@ def test_layer_weights_hold_qkv_and_gate_up_as_one_matrix_each(rng):
     assert lw.w_qkv.shape == (d, q + 2 * kv) and lw.w_gate_up.shape == (d, 2 * F)
     for name, w in parts.items():
         np.testing.assert_array_equal(np.asarray(getattr(lw, name)), w)
-    with pytest.raises(ValueError, match="same shapes"):
+    with pytest.raises(ValueError, match=r"wk .* and wv .* must have the same shape"):
         kivi_jax.models.llama.LayerWeights.from_projections(**{**parts, "wv": parts["wq"]})

@@ -150,7 +150,10 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
             elif field == "wk":
                 w = _unpermute(w, config.num_kv_heads)
             weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
-        layers.append(LayerWeights.from_projections(**weights))
+        try:
+            layers.append(LayerWeights.from_projections(**weights))
+        except (ValueError, TypeError) as e:
+            raise ModelLoadError(f"{path}: layer {i}: {e}") from e
         if progress:
             progress(f"{i + 1}/{config.num_layers} layers")
     if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):

@@ -152,7 +152,10 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         for field, suffix in names.items():
             w = get(f"layers.{i}.{suffix}")
             weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
-        layers.append(LayerWeights.from_projections(**weights))
+        try:
+            layers.append(LayerWeights.from_projections(**weights))
+        except (ValueError, TypeError) as e:
+            raise ModelLoadError(f"{path}: layer {i}: {e}") from e
         if progress:
             progress(f"{i + 1}/{config.num_layers} layers")
     lm_head = None
