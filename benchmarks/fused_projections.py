@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from timing import kernel_totals, traced_by_entry
 
 L, STEPS = 8, 4
-MODELS = {"7B": (4096, 11008, 32, 32), "8B": (4096, 14336, 32, 8)}  # d, F, q heads, kv heads
+MODELS = {"7B": (4096, 11008, 32), "8B": (4096, 14336, 8)}  # d, F, KV heads (of width 128)
 
 
 def weights(d: int, f: int, kv: int, key) -> tuple[list[dict], list[dict]]:
     """L layers' separate matrices, and the same as the fused layout."""
-    keys = iter(jax.random.split(key, 8 * L))
+    keys = iter(jax.random.split(key, 7 * L))
     w = lambda *shape: jax.random.normal(next(keys), shape, jnp.bfloat16) * 0.02
     separate = [
         dict(wq=w(d, d), wk=w(d, kv), wv=w(d, kv), wo=w(d, d), wg=w(d, f), wu=w(d, f),
@@ -46,6 +46,7 @@ def weights(d: int, f: int, kv: int, key) -> tuple[list[dict], list[dict]]:
 
 
 def step_separate(h, ws, d, kv):
+    """h [B, d] through the layers' matmuls, 7 a layer (kv: the k / v width)."""
     for p in ws:
         q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
         h = h + (q + jnp.tile(k + v, (1, d // kv))) @ p["wo"]  # attention's stand-in
@@ -54,11 +55,12 @@ def step_separate(h, ws, d, kv):
 
 
 def step_fused(h, ws, d, kv):
+    """The same with q/k/v and gate/up fused, 4 a layer."""
     for p in ws:
-        qkv = h @ p["wqkv"]
+        qkv = h @ p["wqkv"]  # [B, d + 2 kv]
         q, k, v = qkv[:, :d], qkv[:, d : d + kv], qkv[:, d + kv :]
         h = h + (q + jnp.tile(k + v, (1, d // kv))) @ p["wo"]
-        gu = h @ p["wgu"]
+        gu = h @ p["wgu"]  # [B, 2F]
         f = gu.shape[1] // 2
         h = h + (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ p["wd"]
     return h
@@ -66,7 +68,7 @@ def step_fused(h, ws, d, kv):
 
 def measure() -> dict:
     out = {}
-    for model, (d, f, _, nkv) in MODELS.items():
+    for model, (d, f, nkv) in MODELS.items():
         kv = nkv * 128
         separate, fused = weights(d, f, kv, jax.random.key(0))
         for batch in (16, 96):
