@@ -103,15 +103,17 @@ def write_markdown(result: dict, path: Path) -> None:
     lines = [
         "# Separate against fused projections (`benchmarks/fused_projections.py`)",
         "",
-        f"GPU time of {L} layers' matmuls (unrolled, random bf16 weights), median of 5 traced "
-        "runs; separate: q, k, v, o, gate, up, down; fused: q/k/v, o, gate/up, down.",
+        f"{result['device']}, jax {result['jax']}; GPU time of {L} layers' matmuls (unrolled, "
+        "random bf16 weights), median of 5 traced runs; separate: q, k, v, o, gate, up, down; "
+        "fused: q/k/v, o, gate/up, down.",
         "",
         "| widths | batch | separate ms | fused ms | separate GB/s | fused GB/s | kernels |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for model in MODELS:
         for batch in (16, 96):
-            s, f = result[f"{model} b{batch} separate"], result[f"{model} b{batch} fused"]
+            rows = result["rows"]
+            s, f = rows[f"{model} b{batch} separate"], rows[f"{model} b{batch} fused"]
             lines.append(
                 f"| {model} | {batch} | {s['ms_per_L_layers']:.3f} | {f['ms_per_L_layers']:.3f} "
                 f"| {s['GBps']:.0f} | {f['GBps']:.0f} | {s['kernels']:.0f} -> {f['kernels']:.0f} |"
@@ -123,7 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    result = measure()
+    device = jax.devices()[0]
+    result = dict(device=device.device_kind, jax=jax.__version__, rows=measure())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fused_projections.json").write_text(json.dumps(result, indent=1, default=str))
     write_markdown(result, args.out / "fused_projections.md")
