@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import kernel_totals, traced_by_entry
+from timing import kernel_totals, span_seconds, traced_by_entry
 
 L, STEPS = 8, 4
 MODELS = {"7B": (4096, 11008, 32), "8B": (4096, 14336, 8)}  # d, F, KV heads (of width 128)
@@ -88,9 +89,8 @@ def measure() -> dict:
             for fn, args in runs.values():
                 jax.block_until_ready(fn(*args))
             for name, traced in traced_by_entry(runs, rounds=5).items():
-                spans = sorted((max(e[2] for e in r) - min(e[1] for e in r)) * 1e-9 for r in traced)
                 wbytes = sum(x.size * 2 for p in runs[name][1][1] for x in p.values())
-                t = spans[len(spans) // 2] / STEPS
+                t = statistics.median(span_seconds(r) for r in traced) / STEPS
                 top = list(kernel_totals(traced[-1]).items())[:6]
                 out[f"{model} b{batch} {name}"] = dict(
                     ms_per_L_layers=t * 1e3, GBps=wbytes / t / 1e9,
