@@ -65,7 +65,8 @@ class Shape:
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.batch}x{self.context // 1024}k"
+        t = f"{self.context // 1024}k" if self.context % 1024 == 0 else str(self.context)
+        return f"{self.model} {self.batch}x{t}"
 
 
 MODELS = {"Llama-2-7B": (32, 32, 128), "Llama-3-8B": (32, 8, 128)}
@@ -483,7 +484,8 @@ def write_markdown(result: dict, path: Path) -> None:
         ),
         f"KIVI kernel tuning: {result.get('tuning')} (`score_slices` None: 2 for 2-bit keys, "
         "1 for 4-bit ones; `value_quads` None: 16 for 2-bit values, 8 for 4-bit ones; "
-        "`score_stages` None: 3 for MHA, 1 for GQA; `GpuTuning.key_slices`, `GpuTuning.quads`, "
+        "`score_stages` None: 3 for MHA (1 for 2-bit keys in one wave of programs), 1 for "
+        "GQA; `GpuTuning.key_slices`, `GpuTuning.quads`, "
         "`GpuTuning.key_stages`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
@@ -584,7 +586,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--peak-gib", type=float, default=8.0)
     p.add_argument("--only", default=None, help="substring of shape names to run")
-    p.add_argument("--sweep", action="store_true", help="also sweep tunings at 8x32k")
+    p.add_argument("--sweep", action="store_true", help="also sweep tunings (at --sweep-shape)")
     p.add_argument("--sweep-bits", type=int, nargs="+", default=[2], help="KIVI bits to sweep")
     p.add_argument(
         "--sweep-tunings",
@@ -595,6 +597,12 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--sweep-model", default="Llama-2-7B", choices=list(MODELS), help="heads of the sweep"
+    )
+    p.add_argument(
+        "--sweep-shape",
+        default="8x32768",
+        help="BATCHxCONTEXT of the sweep, e.g. 16x2176 (a Llama-2-7B decode step of "
+        "benchmarks/generate_gpu.py at 2048 + 128: its capacity)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shape, kernel interpreted (CPU)")
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
@@ -626,11 +634,14 @@ def main(argv=None) -> None:
     }
     tuning = (TpuTuning if dev.platform == "tpu" else GpuTuning)(**args.tuning)
     if args.sweep:
-        s0 = (
-            next(s for s in shapes if s.name == f"{args.sweep_model} 8x32k")
-            if not args.smoke
-            else shapes[0]
-        )
+        batch, context = map(int, args.sweep_shape.split("x"))
+        hq, hk, d = MODELS[args.sweep_model]
+        s0 = Shape(
+            model=args.sweep_model, q_heads=hq, kv_heads=hk, head_dim=d, batch=batch,
+            context=context,
+        )  # fmt: skip
+        if args.smoke:
+            s0 = shapes[0]
         tunings = SWEEP
         if args.sweep_tunings is not None:
             tunings = [GpuTuning(), *(GpuTuning(**t) for t in args.sweep_tunings)]

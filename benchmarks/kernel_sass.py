@@ -146,12 +146,16 @@ def analyse(
     tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32, C=32768
 ) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
-    _, groups, _ = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
+    program_groups, groups, _ = score_tiles(
+        tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits
+    )
+    programs = 8 * 32 * n_rep * -(-C // G // program_groups)  # triton_ir's B = 8, H = 32
     quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     # codes one thread handles per loop iteration (the loop body holds `prefetch` tiles, one
     # where the score kernel's loop is left to Triton's pipeliner); a score- or value-kernel
     # program serves one query head
-    score_tiles_per_iter = tuning.prefetch if tuning.key_stages(n_rep) == 1 else 1
+    stages = tuning.key_stages(n_rep, k_bits=bits, programs=programs)
+    score_tiles_per_iter = tuning.prefetch if stages == 1 else 1
     per_thread = {
         "score": groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
         "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),

@@ -52,6 +52,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _pack_bytes,
     _parts_unit,
     _words,
+    score_tiles,
     weighted_values,
 )
 
@@ -336,6 +337,21 @@ def test_residual_length_not_a_power_of_two_interpret(rng):
     _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
 
 
+def test_last_score_program_holds_the_rest_interpret(rng):
+    """A capacity of 10 key groups in score programs of 4: the programs hold groups 0-3, 4-7
+    and 8-9 (the last one's blocks reach past the capacity); final lengths end in each
+    program, in the last one's second group and at the capacity."""
+    assert score_tiles(
+        GpuTuning(score_program_groups=4), capacity=320, group_size=32, head_dim=64, k_bits=2
+    )[:2] == (4, 2)
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
+        prompts=[100, 230, 312, 315], steps=5, R=64,
+    )  # fmt: skip
+    assert cache.k_codes.shape[2] * 4 == 320  # the capacity, in key codes
+    _check(q, cache, interpret=True, tuning=GpuTuning(score_program_groups=4, num_splits=2))
+
+
 def test_random_layout_state_interpret(rng):
     """Random codes, scales (some zero) and zero points written straight into the layout."""
     cache = random_layout_cache(
@@ -487,10 +503,17 @@ def test_fields_left_none_take_the_bit_widths_default(bits, slices, quads):
     assert GpuTuning(num_splits=None).num_splits is None  # chosen by the value kernel
 
 
-def test_score_stages_left_none_follow_the_heads():
-    """3 pipeline stages for MHA, the register prefetch (1) for GQA; a set value stands."""
-    assert GpuTuning().key_stages(1) == 3 and GpuTuning().key_stages(4) == 1
-    assert GpuTuning(score_stages=2).key_stages(1) == GpuTuning(score_stages=2).key_stages(4) == 2
+def test_score_stages_left_none_follow_heads_bits_and_programs():
+    """3 pipeline stages for MHA, but the register prefetch (1) for 2-bit keys in one wave of
+    programs; 1 for GQA; a set value stands."""
+    t = GpuTuning()
+    many, few = t.one_wave + 1, t.one_wave
+    assert t.key_stages(1, k_bits=2, programs=many) == t.key_stages(1, k_bits=4, programs=few) == 3
+    assert t.key_stages(1, k_bits=2, programs=few) == 1
+    assert t.key_stages(4, k_bits=4, programs=many) == 1
+    set2 = GpuTuning(score_stages=2)
+    assert set2.key_stages(1, k_bits=2, programs=few) == 2
+    assert set2.key_stages(4, k_bits=4, programs=many) == 2
 
 
 def test_unsupported_configs_are_named():

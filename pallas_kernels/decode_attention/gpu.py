@@ -99,7 +99,8 @@ class GpuTuning:
     score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
       the thread; with a row in 8 pieces of 4 words every thread owns whole rows). None: by
       the key bit width (`key_slices`: 2 at 2 bits, 1 at 4 bits).
-    score_program_groups: key groups per score-kernel program.
+    score_program_groups: key groups per score-kernel program (rounded down to a power of
+      two; a row's last program holds the rest of its groups, `score_tiles`).
     score_warps, value_warps: warps per score / value program (one: the value kernel's
       layout conversions are then shuffles; 2 and 4 ran slower).
     value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
@@ -115,8 +116,9 @@ class GpuTuning:
       loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
       (cp.async: no registers held while they are in flight; `triton_stages`, a private jax
       hook: where jax lacks it the kernels warn once and use the register prefetch); 1: the
-      register prefetch. None: by the query heads per KV head (`key_stages`: 3 for MHA, 1 for
-      GQA).
+      register prefetch. None: by the query heads per KV head, the key bit width and the
+      programs (`key_stages`: 3 for MHA, but 1 for 2-bit keys in at most `one_wave` programs;
+      1 for GQA).
     value_interleave (bool): a row's value splits take its tiles in turn (tile k of split s
       is the row's tile k * splits + s), so that they walk neighbouring tiles together;
       False: one contiguous range each.
@@ -131,6 +133,9 @@ class GpuTuning:
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
     target_programs: the programs `num_splits` None aims at.
+    one_wave: score-kernel programs that run in one wave (an H200 holds up to 32 one-warp
+      programs on each of its 132 SMs); `key_stages` picks the register prefetch for 2-bit
+      keys at or below it.
     tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
       (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
       token splits in turn).
@@ -151,6 +156,7 @@ class GpuTuning:
     value_parts: int = 2
     num_splits: int | None = None
     target_programs: int = 8 * 132
+    one_wave: int = 32 * 128
     tail_slots: int = 16
     num_stages: int = 2
 
@@ -184,14 +190,21 @@ class GpuTuning:
         sweeps, docs/history.md (R6, R7)."""
         return self.score_slices or (2 if k_bits == 2 else 1)
 
-    def key_stages(self, n_rep: int) -> int:
-        """score_stages, or if None the default for n_rep query heads per KV head: 3 with one
-        (MHA; H200, Llama-2-7B heads at 8 x 32k: the score kernel 10% faster than with the
-        register prefetch at 4 bits, 11% at 2 bits; 2 stages as fast at 4 bits, no faster
-        at 2) and 1 with GQA, whose query heads read their KV head's key words in turn,
+    def key_stages(self, n_rep: int, *, k_bits: int, programs: int) -> int:
+        """score_stages, or if None the default for n_rep query heads per KV head, k_bits-bit
+        keys and the score kernel's number of programs: 3 with one (MHA; H200, Llama-2-7B
+        heads at 8 x 32k: the score kernel 10% faster than with the register prefetch at 4
+        bits, 11% at 2 bits; 2 stages as fast at 4 bits, no faster at 2; at 208 x 2176, 2
+        bits, 10% faster), except 1 for 2-bit keys in at most `one_wave` programs (at
+        16 x 2176, 2560 programs, the register prefetch 13% faster at 2 bits, 18% slower at
+        4); and 1 with GQA, whose query heads read their KV head's key words in turn,
         through L2 (Llama-3-8B heads at 8 x 32k: the score kernel 4% faster with the register
-        prefetch at 4 bits, 6% at 2). docs/history.md (R12)."""
-        return self.score_stages or (3 if n_rep == 1 else 1)
+        prefetch at 4 bits, 6% at 2). docs/history.md (R12, E1)."""
+        if self.score_stages:
+            return self.score_stages
+        if n_rep > 1 or (k_bits == 2 and programs <= self.one_wave):
+            return 1
+        return 3
 
     def quads(self, v_bits: int) -> int:
         """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
@@ -224,14 +237,24 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def score_tiles(
     tuning: GpuTuning, *, capacity: int, group_size: int, head_dim: int, k_bits: int
 ) -> tuple[int, int, int]:
     """(key groups per program, key groups per iteration, slices of a key row) that
-    `key_scores` runs with: powers of two dividing the capacity's groups and the row's words."""
-    program_groups = _pow2_divisor(capacity // group_size, tuning.score_program_groups)
+    `key_scores` runs with: powers of two; the groups per iteration and the slices divide the
+    capacity's groups and the row's words, the groups per program (a multiple of the groups
+    per iteration) need not divide the capacity's groups: the last program holds the rest
+    (at 2176 tokens, 68 groups of 32: 16, 16, 16, 16 and 4)."""
+    n_groups = capacity // group_size
     rows_per_group = group_size * k_bits // 8
-    groups_per_iter = _pow2_divisor(program_groups, max(1, tuning.score_rows // rows_per_group))
+    groups_per_iter = _pow2_divisor(n_groups, max(1, tuning.score_rows // rows_per_group))
+    program_groups = 1 << (tuning.score_program_groups.bit_length() - 1)
+    program_groups = max(groups_per_iter, min(program_groups, _next_pow2(n_groups)))
     slices = _pow2_divisor(head_dim // 4, tuning.key_slices(k_bits))
     return program_groups, groups_per_iter, slices
 
@@ -464,6 +487,7 @@ def _score_kernel(
     s_ref,  # out [NG, GB, 2..2]   f32 logits of token g*G + kpb*tb + j (j over the 2s)
     m_ref,  # out []               f32 max over this program's quantized keys
     *,
+    n_groups: int,  # key groups in the capacity; the last program's blocks reach past them
     q_scale: float,
     bits: int,
     group_size: int,
@@ -479,12 +503,14 @@ def _score_kernel(
     qk_groups = (length - length % residual_length) // group_size
     g_base = pl.program_id(2) * NG
     n_tiles = jnp.clip(pl.cdiv(qk_groups - g_base, n1), 0, NG // n1)
+    last_tile = jnp.minimum(NG, n_groups - g_base) // n1 - 1  # n1 divides n_groups
 
     def first_group(k):
-        """Tile k's first group. Tiles past the program's last are clamped to it: skipped, or
-        (where `live` still holds because later programs have groups) recomputed and stored
-        again unchanged."""
-        return jnp.minimum(k, NG // n1 - 1) * n1
+        """Tile k's first group. Tiles past the program's last, or past the capacity's last
+        group (the last program's blocks, which nothing may read or write unmasked), are
+        clamped to it: skipped, or (where `live` still holds because later programs have
+        groups) recomputed and stored again unchanged."""
+        return jnp.minimum(k, last_tile) * n1
 
     def load(k):
         """Tile k: key words per slice [n1, GB, ws], and the key scales and zero points per
@@ -553,18 +579,26 @@ def _tail_share(
     def chunk(i):
         return jnp.minimum(split + i * splits, n_chunks - 1)  # past the last: masked below
 
+    def tokens(i):
+        """(token at each slot of chunk i, whether this program holds it) [slots]."""
+        slot = chunk(i) * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0)
+        tok = pv - rot + slot + jnp.where(slot < rot, R, 0)  # pv + (slot - pv) mod R
+        return tok, (tok < length) & (split + i * splits < n_chunks)
+
     def load(i):
+        """Chunk i's residual keys and values [slots, D]: a key only where the score kernel
+        has none (t >= Qk), a value only where it is held (masked loads read no bytes)."""
         c = pl.ds(chunk(i) * slots, slots)
-        return kr_ref[c, :], vr_ref[c, :]  # [slots, D] each
+        tok, held = tokens(i)
+        k = plgpu.load(kr_ref.at[c, :], mask=(held & (tok >= qk))[:, None], other=0.0)
+        return k, plgpu.load(vr_ref.at[c, :], mask=held[:, None], other=0.0)
 
     def compute(i, tile, carry):
         m, o, l_sum = carry
         k, v = tile
-        slot = chunk(i) * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0)
-        tok = pv - rot + slot + jnp.where(slot < rot, R, 0)  # pv + (slot - pv) mod R
+        tok, held = tokens(i)
         s_res = jnp.sum(k.astype(jnp.float32) * q, axis=1)  # [slots]
         s_quant = st_ref[jnp.minimum(tok, C - 1)]
-        held = (tok < length) & (split + i * splits < n_chunks)
         logits = jnp.where(held, jnp.where(tok < qk, s_quant, s_res), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits))  # finite: m starts at -1e30
         p = jnp.exp2(logits - m_new)  # 0 where the logit is -inf
@@ -732,15 +766,16 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     GB, W = G // kpb, D // 4  # token bytes per key group, words per token byte
     NG, n1, nS = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     ws = W // nS  # words per slice of a key row
-    P = C // G // NG
+    P = pl.cdiv(C // G, NG)
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
     Hq = H * n_rep
-    stages = _loop_stages(tuning.key_stages(n_rep), interpret)
+    stages = _loop_stages(tuning.key_stages(n_rep, k_bits=bits, programs=B * Hq * P), interpret)
     kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
     scores, block_max = pl.pallas_call(
         functools.partial(
             _score_kernel,
+            n_groups=C // G,
             q_scale=q_scale,
             bits=bits,
             group_size=G,
