@@ -444,7 +444,9 @@ def max_batch(args) -> None:
     """For each model, setting, cache and budget: the largest batch whose generate call runs
     with the allocator capped at the budget (XLA_PYTHON_CLIENT_MEM_FRACTION), found by running
     it: from the batch the memory predicts, 15% up while it runs (15% down while it does not),
-    then halving the gap to within 4%; the batch that ran and the next one tried that did not."""
+    then halving the gap to within 4%; the batch that ran and the next one tried that did not.
+    With `--batches` (cache -> batches), a cache's batches are tried as given instead (e.g.
+    the two an earlier search ended on, measured again beside another cache in one call)."""
     env, described = setup(args)
     card_gb = described["memory_bytes"] / 1e9
     t_start = time.perf_counter()
@@ -454,7 +456,8 @@ def max_batch(args) -> None:
     ):  # fmt: skip
         budget_gb = card_gb * 0.95 if budget == "card" else float(budget)
         spec = f"{model}:{kv}:1:{setting}"
-        batch = predicted_max_batch(Row.parse(spec), budget_gb)
+        given = list(args.batches.get(kv, []))
+        batch = given.pop(0) if given else predicted_max_batch(Row.parse(spec), budget_gb)
         env_b = dict(env)
         if card_gb:  # a device that reports its memory (a GPU): the allocator capped
             env_b["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
@@ -474,7 +477,11 @@ def max_batch(args) -> None:
                 errors[batch] = r["error"]
             else:
                 ran[batch] = r
-            if failed is None:  # still running: 15% more
+            if args.batches.get(kv):
+                if not given:
+                    break
+                batch = given.pop(0)
+            elif failed is None:  # still running: 15% more
                 batch = max(batch + 1, round(1.15 * batch))
             elif not ran:  # never ran: 15% fewer
                 batch = max(1, min(batch - 1, round(batch / 1.15)))
@@ -483,7 +490,8 @@ def max_batch(args) -> None:
             else:
                 break
         best = max(ran) if ran else None
-        tried = sorted([*ran, *([failed] if failed else [])])
+        failed = min((b for b in errors if best is None or b > best), default=None)
+        tried = sorted([*ran, *errors])
         entry = dict(model=model, kv=kv, budget_gb=budget_gb, prompt=Row.parse(spec).prompt,
                      new_tokens=Row.parse(spec).new_tokens, batch=best, failed_batch=failed,
                      call=args.call, tried=tried, failed_error=errors.get(failed))  # fmt: skip
@@ -636,8 +644,9 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += [
             "",
             "Largest batch at a memory budget (`generate_gpu.py max-batch`: the allocator capped "
-            "at the budget; `batch` ran, `failed` did not; memory of the batch that ran, GB; "
-            "below the table, why the failed batch failed):",
+            "at the budget; `batch` ran, `failed` did not, `-` where no larger batch tried in "
+            "that call failed; memory of the batch that ran, GB; below the table, why the "
+            "failed batch failed):",
             "",
             "| model | kv | budget GB | prompt + new | batch | failed | tokens/s | peak | weights "
             "| cache | working | call |",
@@ -744,6 +753,13 @@ def main(argv=None) -> None:
     mb.add_argument("--kvs", nargs="+", default=["full", "kivi2", "kivi4"])
     mb.add_argument("--budgets", nargs="+", default=["80", "card"], help="GB (1e9), or card")
     mb.add_argument("--tries", type=int, default=4, help="generate calls per search")
+    mb.add_argument(
+        "--batches",
+        type=json.loads,
+        default={},
+        help="JSON {cache: [batch, ...]}: try these batches of a cache, no search "
+        "(e.g. '{\"full\": [54, 56]}')",
+    )
     mb.add_argument("--repeats", type=int, default=1)
     mb.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
     r = sub.add_parser("row", help="one row, in this process")
