@@ -704,33 +704,40 @@ def plot(result: dict, path: Path) -> None:
 
 
 def plot_max_batch(result: dict, path: Path) -> None:
-    """Decode tokens/s against batch per cache (every generate call of the searches that ran),
-    and the memory of each search's largest batch split into weights, cache and working."""
+    """Decode tokens/s against batch per cache, and the memory of each batch split into
+    weights, cache and working memory: every generate call of the searches that ran, and the
+    table's rows of the same model, cache and setting (their calls differ: the allocator was
+    capped in the searches only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    key = lambda r: (r["model"], r["kv"], r["prompt"], r["new_tokens"])
+    searched = {key(m) for m in result["max_batch"]}
     ran = [t for t in result["max_batch_tries"] if "tokens_per_s" in t]
-    for key in sorted({(t["model"], t["kv"], t["prompt"], t["new_tokens"]) for t in ran}):
-        pts = sorted((t["batch"], t["tokens_per_s"]) for t in ran if (
-            t["model"], t["kv"], t["prompt"], t["new_tokens"]) == key)  # fmt: skip
-        ax.plot(*zip(*pts, strict=True), "o-", label=f"{key[0]} {key[1]} {key[2]}+{key[3]}")
+    ran += [r for r in result["rows"] if key(r) in searched and "tokens_per_s" in r]
+    ran.sort(key=lambda r: (key(r), r["batch"]))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k in sorted({key(r) for r in ran}):
+        pts = [(r["batch"], r["tokens_per_s"]) for r in ran if key(r) == k]
+        ax.plot(*zip(*pts, strict=True), "o-", label=f"{k[0]} {k[1]} {k[2]}+{k[3]}")
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=7)
-    done = [m for m in result["max_batch"] if m.get("batch")]
-    x = np.arange(len(done))
-    bottom = np.zeros(len(done))
-    for part in ("weights_gb", "cache_gb", "working_gb"):
-        vals = np.array([m[part] for m in done])
-        bx.bar(x, vals, bottom=bottom, label=part.removesuffix("_gb"))
+    x = np.arange(len(ran))
+    bottom = np.zeros(len(ran))
+    parts = {"weights": "weights_gb", "cache": "kv_bytes_gb"}
+    for name, field in parts.items():
+        vals = np.array([r[field] for r in ran])
+        bx.bar(x, vals, bottom=bottom, label=name)
         bottom += vals
-    labels = [f"{m['kv']}\n{m['prompt']}+{m['new_tokens']}\n{m['budget_gb']:.0f} GB\nb{m['batch']}"
-              for m in done]  # fmt: skip
+    working = np.array([r["peak_gb"] for r in ran]) - bottom
+    bx.bar(x, working, bottom=bottom, label="working")
+    labels = [f"{r['kv']}\n{r['prompt']}+{r['new_tokens']}\nb{r['batch']}\n{r['call']}"
+              for r in ran]  # fmt: skip
     bx.set_xticks(x, labels, fontsize=7)
-    bx.set_ylabel("GB at the largest batch")
+    bx.set_ylabel("GB (peak, split)")
     bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
