@@ -332,19 +332,22 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     return {"score_kernel_us": scores, "value_kernel_us": values}
 
 
-def random_logits(key, s: Shape, n: int) -> list:
+def random_logits(key, s: Shape, n: int, *, bits: int, tuning: GpuTuning) -> list:
     """n random score-kernel outputs for the value kernel timed alone: float32 logits
-    [B, H, n_rep, C] and their maxima per program of the default score tiles [B, H, n_rep, P]
-    (computed here, outside the timed steps)."""
+    [B, H, n_rep, C] and their maxima per program of the score tiles of `bits`-bit keys under
+    `tuning` [B, H, n_rep, P] (computed here, outside the timed steps)."""
     shape = (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.context)
     groups, _, _ = score_tiles(
-        GpuTuning(), capacity=s.context, group_size=GROUP, head_dim=s.head_dim, k_bits=2
+        tuning, capacity=s.context, group_size=GROUP, head_dim=s.head_dim, k_bits=bits
     )
+    block = groups * GROUP  # tokens per score program; a row's last one may hold fewer
+    padded = -(-s.context // block) * block
     out = []
     for i in range(n):
         logits = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-        block_max = jnp.max(logits.reshape(*shape[:3], -1, groups * GROUP), axis=-1)
-        out.append((logits, block_max))
+        tail = [(0, 0)] * 3 + [(0, padded - s.context)]
+        blocks = jnp.pad(logits, tail, constant_values=-jnp.inf).reshape(*shape[:3], -1, block)
+        out.append((logits, jnp.max(blocks, axis=-1)))
     return out
 
 
@@ -364,7 +367,7 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     key = jax.random.key(2)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, bits)
-    logits = random_logits(key, s, len(states))
+    logits = random_logits(key, s, len(states), bits=bits, tuning=tuning)
     out = {"shape": s.name, "bits": bits}
     for name, (fn, args) in kernel_runs(s, bits, tuning, qs, states, logits).items():
         sec, _, out["timing"] = timed_on_gpu(fn, args, repeats=repeats)
@@ -373,7 +376,7 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     return out
 
 
-# Tunings timed by --sweep (8x32k, --sweep-model, --sweep-bits); the first is the default.
+# Tunings timed by --sweep (--sweep-shape, --sweep-model, --sweep-bits); the first is the default.
 # After the twelfth round: the default (with MHA Triton's pipeliner, 3 stages; with GQA the
 # register prefetch) against the score kernel's register prefetch, 2 and 4 stages, and the
 # score kernel's tiles: 32 key rows per iteration, 8 and 32 key groups per program, a key
@@ -579,6 +582,18 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _batch_context(text: str) -> tuple[int, int]:
+    """'16x2176' -> (16, 2176)."""
+    try:
+        batch, context = (int(x) for x in text.split("x"))
+    except ValueError:
+        msg = f"{text!r}: expected BATCHxCONTEXT, e.g. 16x2176"
+        raise argparse.ArgumentTypeError(msg) from None
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch and context must be positive")
+    return batch, context
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -600,6 +615,7 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--sweep-shape",
+        type=_batch_context,
         default="8x32768",
         help="BATCHxCONTEXT of the sweep, e.g. 16x2176 (a Llama-2-7B decode step of "
         "benchmarks/generate_gpu.py at 2048 + 128: its capacity)",
@@ -634,14 +650,12 @@ def main(argv=None) -> None:
     }
     tuning = (TpuTuning if dev.platform == "tpu" else GpuTuning)(**args.tuning)
     if args.sweep:
-        batch, context = map(int, args.sweep_shape.split("x"))
+        batch, context = args.sweep_shape
         hq, hk, d = MODELS[args.sweep_model]
-        s0 = Shape(
+        s0 = shapes[0] if args.smoke else Shape(
             model=args.sweep_model, q_heads=hq, kv_heads=hk, head_dim=d, batch=batch,
             context=context,
         )  # fmt: skip
-        if args.smoke:
-            s0 = shapes[0]
         tunings = SWEEP
         if args.sweep_tunings is not None:
             tunings = [GpuTuning(), *(GpuTuning(**t) for t in args.sweep_tunings)]

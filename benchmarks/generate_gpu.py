@@ -463,7 +463,7 @@ def max_batch(args) -> None:
             env_b["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
             env_b["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_gb / card_gb, 0.95):.4f}"
         ran, failed, errors = {}, None, {}
-        for _ in range(args.tries):
+        for _ in range(len(given) + 1 if kv in args.batches else args.tries):
             if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
                 print(f"deadline: {spec} at {budget} GB not finished", flush=True)
                 break
@@ -477,7 +477,7 @@ def max_batch(args) -> None:
                 errors[batch] = r["error"]
             else:
                 ran[batch] = r
-            if args.batches.get(kv):
+            if kv in args.batches:
                 if not given:
                     break
                 batch = given.pop(0)
@@ -704,10 +704,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def plot_max_batch(result: dict, path: Path) -> None:
-    """Decode tokens/s against batch per cache, and the memory of each batch split into
-    weights, cache and working memory: every generate call of the searches that ran, and the
-    table's rows of the same model, cache and setting (their calls differ: the allocator was
-    capped in the searches only)."""
+    """Decode tokens/s against batch per cache and budget, and the memory of each batch split
+    into weights, cache and working memory: every generate call of the searches that ran
+    (joined by lines), and as squares the table's rows of the same model, cache and setting
+    (other calls, the allocator not capped)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -715,32 +715,54 @@ def plot_max_batch(result: dict, path: Path) -> None:
 
     key = lambda r: (r["model"], r["kv"], r["prompt"], r["new_tokens"])
     searched = {key(m) for m in result["max_batch"]}
-    ran = [t for t in result["max_batch_tries"] if "tokens_per_s" in t]
-    ran += [r for r in result["rows"] if key(r) in searched and "tokens_per_s" in r]
-    ran.sort(key=lambda r: (key(r), r["batch"]))
+    fields = ("tokens_per_s", "peak_gb", "weights_gb", "kv_bytes_gb")
+    tries = [t for t in result["max_batch_tries"] if all(f in t for f in fields)]
+    rows = [r for r in result["rows"] if key(r) in searched and all(f in r for f in fields)]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for k in sorted({key(r) for r in ran}):
-        pts = [(r["batch"], r["tokens_per_s"]) for r in ran if key(r) == k]
-        ax.plot(*zip(*pts, strict=True), "o-", label=f"{k[0]} {k[1]} {k[2]}+{k[3]}")
+    for k, budget in sorted({(key(t), t["budget_gb"]) for t in tries}):
+        pts = sorted((t["batch"], t["tokens_per_s"]) for t in tries
+                     if (key(t), t["budget_gb"]) == (k, budget))  # fmt: skip
+        label = f"{k[0]} {k[1]} {k[2]}+{k[3]}, {budget:.0f} GB"
+        ax.plot(*zip(*pts, strict=True), "o-", label=label)
+    for k in sorted({key(r) for r in rows}):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if key(r) == k)
+        ax.plot(*zip(*pts, strict=True), "s", mfc="none", label=f"{k[1]} {k[2]}+{k[3]}, table")
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=7)
-    x = np.arange(len(ran))
-    bottom = np.zeros(len(ran))
-    parts = {"weights": "weights_gb", "cache": "kv_bytes_gb"}
-    for name, field in parts.items():
-        vals = np.array([r[field] for r in ran])
+    bars = sorted(rows + tries, key=lambda r: (key(r), r["batch"]))
+    x = np.arange(len(bars))
+    bottom = np.zeros(len(bars))
+    for name, field in (("weights", "weights_gb"), ("cache", "kv_bytes_gb")):
+        vals = np.array([r[field] for r in bars])
         bx.bar(x, vals, bottom=bottom, label=name)
         bottom += vals
-    working = np.array([r["peak_gb"] for r in ran]) - bottom
-    bx.bar(x, working, bottom=bottom, label="working")
-    labels = [f"{r['kv']}\n{r['prompt']}+{r['new_tokens']}\nb{r['batch']}\n{r['call']}"
-              for r in ran]  # fmt: skip
+    bx.bar(x, np.array([r["peak_gb"] for r in bars]) - bottom, bottom=bottom, label="working")
+    cap = lambda r: f"{r['budget_gb']:.0f} GB" if "budget_gb" in r else "no cap"
+    labels = [f"{r['kv']}\n{r['prompt']}+{r['new_tokens']}\nb{r['batch']}\n{cap(r)}\n{r['call']}"
+              for r in bars]  # fmt: skip
     bx.set_xticks(x, labels, fontsize=7)
     bx.set_ylabel("GB (peak, split)")
     bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _given_batches(text: str) -> dict[str, list[int]]:
+    """--batches: JSON {cache: [batch, ...]}, caches among KV_PRESETS, positive batches."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(given, dict) or not all(
+        kv in KV_PRESETS and isinstance(b, list) and b and all(type(x) is int and x > 0 for x in b)
+        for kv, b in given.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {{cache: [batch, ...]}} with caches among {list(KV_PRESETS)} and "
+            "non-empty lists of positive ints"
+        )
+    return given
 
 
 def main(argv=None) -> None:
@@ -762,10 +784,10 @@ def main(argv=None) -> None:
     mb.add_argument("--tries", type=int, default=4, help="generate calls per search")
     mb.add_argument(
         "--batches",
-        type=json.loads,
+        type=_given_batches,
         default={},
-        help="JSON {cache: [batch, ...]}: try these batches of a cache, no search "
-        "(e.g. '{\"full\": [54, 56]}')",
+        help="JSON {cache: [batch, ...]}: try these batches of a cache (for every model, "
+        "setting and budget), no search; e.g. '{\"full\": [54, 56]}'",
     )
     mb.add_argument("--repeats", type=int, default=1)
     mb.add_argument("--deadline-s", type=float, default=None, help="start no row after this")

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         result["entries"][name] = trace(fn, fargs, repeats=args.repeats)
     del states, entries
     states = bench.kivi_states(key, s, args.bits)
-    logits = bench.random_logits(key, s, len(states))
+    logits = bench.random_logits(key, s, len(states), bits=args.bits, tuning=tuning)
     entries = {"kivi": (bench._many_calls(bench.kivi_step(args.bits, tuning), qs, states),
                         (qs, states))}  # fmt: skip
     entries |= bench.kernel_runs(s, args.bits, tuning, qs, states, logits)

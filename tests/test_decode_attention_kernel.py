@@ -51,6 +51,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _loop_stages,
     _pack_bytes,
     _parts_unit,
+    _score_tile_start,
     _words,
     score_tiles,
     weighted_values,
@@ -337,19 +338,41 @@ def test_residual_length_not_a_power_of_two_interpret(rng):
     _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
 
 
-def test_last_score_program_holds_the_rest_interpret(rng):
+@pytest.mark.parametrize("capacity", [320, 2176, 4096, 96 * 32])
+@pytest.mark.parametrize("tuning", [GpuTuning(), GpuTuning(score_program_groups=4, score_rows=8)])
+def test_score_tiles_stay_within_the_capacity(capacity, tuning):
+    """Every tile a score program loads or stores, prefetched ones past its last included,
+    lies within the capacity's key groups (interpret mode pads blocks, so only this shows a
+    missing clamp; the Triton lowering reads and writes past the arrays)."""
+    for bits in (2, 4):
+        NG, n1, _ = score_tiles(tuning, capacity=capacity, group_size=32, head_dim=128, k_bits=bits)
+        n_groups = capacity // 32
+        assert NG % n1 == 0 and n_groups % n1 == 0
+        for g_base in range(0, n_groups, NG):
+            for k in range(NG // n1 + 4):
+                start = g_base + int(
+                    _score_tile_start(
+                        k, g_base=g_base, program_groups=NG, groups_per_iter=n1,
+                        n_groups=n_groups,
+                    )
+                )  # fmt: skip
+                assert g_base <= start and start + n1 <= min(g_base + NG, n_groups)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_last_score_program_holds_the_rest_interpret(rng, stages):
     """A capacity of 10 key groups in score programs of 4: the programs hold groups 0-3, 4-7
     and 8-9 (the last one's blocks reach past the capacity); final lengths end in each
-    program, in the last one's second group and at the capacity."""
-    assert score_tiles(
-        GpuTuning(score_program_groups=4), capacity=320, group_size=32, head_dim=64, k_bits=2
-    )[:2] == (4, 2)
+    program, in the last one's second group and at the capacity; the register prefetch (1
+    stage, two tiles ahead) and the plain loop Triton pipelines (3)."""
+    tuning = GpuTuning(score_program_groups=4, num_splits=2, score_stages=stages, prefetch=2)
+    assert score_tiles(tuning, capacity=320, group_size=32, head_dim=64, k_bits=2)[:2] == (4, 2)
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
         prompts=[100, 230, 312, 315], steps=5, R=64,
     )  # fmt: skip
     assert cache.k_codes.shape[2] * 4 == 320  # the capacity, in key codes
-    _check(q, cache, interpret=True, tuning=GpuTuning(score_program_groups=4, num_splits=2))
+    _check(q, cache, interpret=True, tuning=tuning)
 
 
 def test_random_layout_state_interpret(rng):

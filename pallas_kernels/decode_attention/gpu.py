@@ -100,7 +100,8 @@ class GpuTuning:
       the thread; with a row in 8 pieces of 4 words every thread owns whole rows). None: by
       the key bit width (`key_slices`: 2 at 2 bits, 1 at 4 bits).
     score_program_groups: key groups per score-kernel program (rounded down to a power of
-      two; a row's last program holds the rest of its groups, `score_tiles`).
+      two, at most the capacity's groups rounded up to one, at least the groups per
+      iteration; a row's last program holds the rest of its groups, `score_tiles`).
     score_warps, value_warps: warps per score / value program (one: the value kernel's
       layout conversions are then shuffles; 2 and 4 ran slower).
     value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
@@ -133,9 +134,9 @@ class GpuTuning:
     num_splits: value-kernel token splits per (sequence, query head); None: the largest power
       of two at or below ceil(target_programs / (batch x query heads)).
     target_programs: the programs `num_splits` None aims at.
-    one_wave: score-kernel programs that run in one wave (an H200 holds up to 32 one-warp
-      programs on each of its 132 SMs); `key_stages` picks the register prefetch for 2-bit
-      keys at or below it.
+    one_wave: score-kernel programs that run in about one wave (an H200 holds up to 32
+      one-warp programs on each of its 132 SMs, 4224); `key_stages` picks the register
+      prefetch for 2-bit keys at or below it.
     tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
       (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
       token splits in turn).
@@ -264,6 +265,17 @@ def value_tiles(tuning: GpuTuning, *, capacity: int, v_bits: int) -> tuple[int, 
     of two, 4 times their product dividing the capacity."""
     quads = _pow2_divisor(capacity // 4, tuning.quads(v_bits))
     return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
+
+
+def _score_tile_start(k, *, g_base, program_groups: int, groups_per_iter: int, n_groups: int):
+    """The first group (within its program) of tile k of the score program whose first group
+    is g_base. Tiles past the program's last, or past the capacity's last group (the last
+    program's blocks, which nothing may read or write unmasked), are clamped to the last
+    one: skipped, or (where `live` still holds because later programs have groups)
+    recomputed and stored again unchanged. groups_per_iter divides n_groups and
+    program_groups (`score_tiles`), so the clamped tile ends within the capacity."""
+    last = jnp.minimum(program_groups, n_groups - g_base) // groups_per_iter - 1
+    return jnp.minimum(k, last) * groups_per_iter
 
 
 def _words(codes):
@@ -503,14 +515,9 @@ def _score_kernel(
     qk_groups = (length - length % residual_length) // group_size
     g_base = pl.program_id(2) * NG
     n_tiles = jnp.clip(pl.cdiv(qk_groups - g_base, n1), 0, NG // n1)
-    last_tile = jnp.minimum(NG, n_groups - g_base) // n1 - 1  # n1 divides n_groups
-
-    def first_group(k):
-        """Tile k's first group. Tiles past the program's last, or past the capacity's last
-        group (the last program's blocks, which nothing may read or write unmasked), are
-        clamped to it: skipped, or (where `live` still holds because later programs have
-        groups) recomputed and stored again unchanged."""
-        return jnp.minimum(k, last_tile) * n1
+    first_group = functools.partial(
+        _score_tile_start, g_base=g_base, program_groups=NG, groups_per_iter=n1, n_groups=n_groups
+    )
 
     def load(k):
         """Tile k: key words per slice [n1, GB, ws], and the key scales and zero points per
@@ -647,8 +654,8 @@ def _value_kernel(
     the tail share's max and the row's max over its quantized keys (which cover every
     quantized value: Pv <= Qk). The tail costs no kernel of its own and no program waits for
     another; XLA merges the splits' partial softmaxes. The loads of the first value tiles and
-    of the score programs' maxima are issued before the tail share, so that their latencies
-    overlap its own."""
+    (where a row has at most 4 chunks of them, `_row_max`) of the score programs' maxima are
+    issued before the tail share, so that their latencies overlap its own."""
     C4, _, n_ch, wpg = vw_ref.shape
     vpb = 8 // bits
     length = len_ref[()]
