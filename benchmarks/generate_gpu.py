@@ -15,9 +15,10 @@ one step summed by name (where the time goes).
 
 `max-batch` searches the largest batch whose generate call runs within a memory budget (80 GB,
 or the card; the allocator capped by XLA_PYTHON_CLIENT_MEM_FRACTION) for each model, setting
-and cache, and `merge` adds the searches to generate_gpu.json (`max_batch`), the markdown
-table and generate_gpu_max_batch.png (tokens/s against batch; memory split into weights, cache
-and working memory). `group` measures the read bandwidth, then runs each row
+and cache (or, with `--batches`, tries the batches given for a cache), and `merge` adds the
+searches to generate_gpu.json (`max_batch`), the markdown table and generate_gpu_max_batch.png
+(tokens/s against batch; memory split into weights, cache and working memory). `group`
+measures the read bandwidth, then runs each row
 (`model:kv:batch:prompt+new`, e.g. `Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as
 `generate_gpu.py row ...` in a subprocess and writes DIR/row_*.json; `merge` writes
 generate_gpu.json, generate_gpu.md and generate_gpu.png (ratios only between rows of the same
