@@ -980,17 +980,25 @@ def kivi_decode_attention_gpu(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
-    # The splits' partial softmaxes rescaled to the largest max. A split without tokens has
-    # zero sums (and m the row's quantized max, or -1e30 where the row has no quantized keys
-    # and the split no tail chunk); an empty row has m = -1e30 in every split, so weights of
-    # 1 on zero sums, and gives zeros below. The max as elementwise maxima of the S slices,
-    # not a reduction, so that XLA fuses it into the merge.
-    top = functools.reduce(jnp.maximum, [m[..., s] for s in range(m.shape[-1])])
-    w = jnp.exp2(m - top[..., None])  # [B, H, n_rep, S]
-    num = jnp.sum(w[..., None] * (o + o_tail), axis=3)  # [B, H, n_rep, D]
-    den = jnp.sum(w * l_sum, axis=-1)[..., None]
-    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
-    return out.reshape(B, Hq, D).astype(q.dtype)
+    return _merge_splits(m, o, o_tail, l_sum).reshape(B, Hq, D).astype(q.dtype)
+
+
+def _merge_splits(m, o, o_tail, l_sum):
+    """The value kernel's per-split partial softmaxes (`weighted_values`: m and l_sum
+    [..., S], o and o_tail [..., S, D]) rescaled to their largest max and merged -> [..., D]
+    float32. A split without tokens has zero sums (and m the row's quantized max, or -1e30
+    where the row has no quantized keys and the split no tail chunk); an empty row has
+    m = -1e30 in every split, so weights of 1 on zero sums, and gives zeros. Written as
+    elementwise operations on the S slices, no reduction, so that XLA makes the whole merge
+    one loop fusion (with sums over S it ran as two kernels per layer)."""
+    S = m.shape[-1]
+    top = functools.reduce(jnp.maximum, [m[..., s] for s in range(S)])
+    w = [jnp.exp2(m[..., s] - top) for s in range(S)]  # [...] each
+    num = functools.reduce(
+        jnp.add, [w[s][..., None] * (o[..., s, :] + o_tail[..., s, :]) for s in range(S)]
+    )
+    den = functools.reduce(jnp.add, [w[s] * l_sum[..., s] for s in range(S)])[..., None]
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
 
 
 def unsupported_reason(q: jax.Array, cache) -> str | None:
