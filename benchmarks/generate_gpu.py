@@ -719,7 +719,7 @@ def plot_max_batch(result: dict, path: Path) -> None:
     fields = ("tokens_per_s", "peak_gb", "weights_gb", "kv_bytes_gb")
     tries = [t for t in result["max_batch_tries"] if all(f in t for f in fields)]
     rows = [r for r in result["rows"] if key(r) in searched and all(f in r for f in fields)]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5.5))
     for k, budget in sorted({(key(t), t["budget_gb"]) for t in tries}):
         pts = sorted((t["batch"], t["tokens_per_s"]) for t in tries
                      if (key(t), t["budget_gb"]) == (k, budget))  # fmt: skip
@@ -740,9 +740,9 @@ def plot_max_batch(result: dict, path: Path) -> None:
         bottom += vals
     bx.bar(x, np.array([r["peak_gb"] for r in bars]) - bottom, bottom=bottom, label="working")
     cap = lambda r: f"{r['budget_gb']:.0f} GB" if "budget_gb" in r else "no cap"
-    labels = [f"{r['kv']}\n{r['prompt']}+{r['new_tokens']}\nb{r['batch']}\n{cap(r)}\n{r['call']}"
+    labels = [f"{r['kv']} {r['prompt']}+{r['new_tokens']} b{r['batch']}, {cap(r)}, {r['call']}"
               for r in bars]  # fmt: skip
-    bx.set_xticks(x, labels, fontsize=7)
+    bx.set_xticks(x, labels, fontsize=7, rotation=90)
     bx.set_ylabel("GB (peak, split)")
     bx.legend(fontsize=7)
     fig.tight_layout()
