@@ -49,6 +49,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _int8_unit,
     _join_parts,
     _loop_stages,
+    _merge_splits,
     _pack_bytes,
     _parts_unit,
     _score_tile_start,
@@ -248,6 +249,32 @@ def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
             o_ref = p @ rd(v_res[b, h])[slot] if slot.size else np.zeros(D)
             np.testing.assert_allclose(o_tail[b, h, r, split], o_ref, rtol=1e-5, atol=1e-5)
     assert not np.asarray(o_tail[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
+
+
+@pytest.mark.parametrize("S", [1, 2, 5])
+def test_splits_merge_elementwise_into_one_softmax(rng, S):
+    """_merge_splits: the splits' partial softmaxes (max m, sums o + o_tail of 2**(s_t - m) v_t,
+    l of 2**(s_t - m)) rescaled to the row's largest max: sum_s 2**(m_s - M) (o_s + o_tail_s)
+    / sum_s 2**(m_s - M) l_s; a split without tokens (zero sums; m the row's quantized max,
+    at most any other split's m) adds nothing, a row whose splits are all empty (m = -1e30)
+    gives zeros. Elementwise over the S slices: its jaxpr holds no reduction, so that XLA
+    fuses the whole merge into one loop fusion."""
+    rows, D = 4, 8
+    m = rng.normal(size=(rows, S)).astype(np.float32) * 4
+    o, o_tail = (rng.normal(size=(rows, S, D)).astype(np.float32) for _ in range(2))
+    l_sum = rng.uniform(0.5, 2.0, size=(rows, S)).astype(np.float32)
+    o[1, 0] = o_tail[1, 0] = l_sum[1, 0] = 0  # an empty split
+    m[1, 0] = m[1].min() - 1
+    m[3], o[3], o_tail[3], l_sum[3] = -1e30, 0, 0, 0  # an empty row
+    out = _merge_splits(*(jnp.asarray(x) for x in (m, o, o_tail, l_sum)))
+    w = np.exp2(m.astype(np.float64) - m.max(axis=1, keepdims=True))
+    num = np.einsum("rs,rsd->rd", w, o + o_tail)
+    den = (w * l_sum).sum(axis=1, keepdims=True)
+    expected = np.where(den > 0, num / np.where(den > 0, den, 1), 0)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(out[3]).any()
+    jaxpr = jax.make_jaxpr(_merge_splits)(*(jnp.asarray(x) for x in (m, o, o_tail, l_sum)))
+    assert not [e for e in jaxpr.eqns if e.primitive.name.startswith(("reduce", "argm", "cum"))]
 
 
 def _rounded_reference(q, cache, dtype):
