@@ -195,14 +195,20 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
-    """x [..., d], positions [...] -> q [..., N, D], k, v [..., H, D] (RoPE applied to q and k)."""
-    qkv = _dense(x, lw.w_qkv)  # [..., N*D + 2*H*D]
-    qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q = qkv[..., :qd].reshape(*x.shape[:-1], c.num_heads, c.head_dim)
-    k = qkv[..., qd : qd + kvd].reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
-    v = qkv[..., qd + kvd :].reshape(*x.shape[:-1], c.num_kv_heads, c.head_dim)
-    cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    """x [..., d], positions [...] -> q [..., N, D], k, v [..., H, D] (RoPE applied to q and k).
+
+    The rotation runs over all N + 2H heads of the one matmul's output, the value heads given the
+    angle 0 (cos 1, sin 0: each value passes through as x * 1 - y * 0), so that XLA computes q, k
+    and v in one fusion; rotating q and k apart took a GPU decode step three (docs/history.md E1).
+    """
+    n, h = c.num_heads, c.num_kv_heads
+    qkv = _dense(x, lw.w_qkv).reshape(*x.shape[:-1], n + 2 * h, c.head_dim)
+    cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)  # [..., D/2]
+    rotated = (jnp.arange(n + 2 * h) < n + h)[:, None]  # [N + 2H, 1]: the q and k heads
+    cos = jnp.where(rotated, cos[..., None, :], 1.0)  # [..., N + 2H, D/2]
+    sin = jnp.where(rotated, sin[..., None, :], 0.0)
+    qkv = apply_rope(qkv, cos, sin)
+    return qkv[..., :n, :], qkv[..., n : n + h, :], qkv[..., n + h :, :]
 
 
 def _mlp(lw: LayerWeights, x: jax.Array) -> jax.Array:

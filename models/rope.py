@@ -18,10 +18,10 @@ def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float):
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotates x [..., heads, D] by the angles of cos/sin [..., D/2]; computes in float32."""
+    """Rotates x [..., heads, D] by the angles of cos/sin, which broadcast against
+    [..., heads, D/2] (one position's angles for every head: [..., 1, D/2]); computes in float32."""
     dtype = x.dtype
     x = x.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)  # [..., heads, D/2] each
-    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(dtype)
