@@ -534,8 +534,23 @@ def merge(args) -> None:
     rows = list(latest.values())
     # A search run again replaces the earlier one, and its tries replace the earlier tries (a
     # try without its budget, as older calls wrote them, goes with any search of its row).
+    # Where the later search found no failing batch, a failure of the earlier one above its
+    # largest batch stays its failed batch (whether a batch fits the budget does not depend on
+    # the unit's speed), named with the call that tried it (`failed_call`), with that try.
     search_key = lambda m, budget: (m["model"], m["kv"], budget, m["prompt"], m["new_tokens"])
-    searched = {search_key(m, m["budget_gb"]): m for m in searches}
+    searched = {}
+    for m in searches:
+        before = searched.get(key := search_key(m, m["budget_gb"]))
+        if (
+            before and before["failed_batch"] and m["failed_batch"] is None
+            and m["batch"] is not None and before["failed_batch"] > m["batch"]
+        ):  # fmt: skip
+            m = m | {
+                "failed_batch": before["failed_batch"],
+                "failed_error": before["failed_error"],
+                "failed_call": before.get("failed_call", before["call"]),
+            }
+        searched[key] = m
     searches = list(searched.values())
 
     def current(t) -> bool:
@@ -543,9 +558,12 @@ def merge(args) -> None:
             [t["budget_gb"]] if t.get("budget_gb") is not None
             else [m["budget_gb"] for m in searches]
         )  # fmt: skip
-        keys = [search_key(t, b) for b in budgets]
-        calls = {searched[k]["call"] for k in keys if k in searched}
-        return not calls or t["call"] in calls
+        found = [searched[k] for k in (search_key(t, b) for b in budgets) if k in searched]
+        return not found or any(
+            t["call"] == m["call"]
+            or (t["call"] == m.get("failed_call") and t["batch"] == m["failed_batch"])
+            for m in found
+        )
 
     tries = [t for t in tries if current(t)]
     used = {r["call"] for r in [*rows, *searches, *tries]}
@@ -646,8 +664,8 @@ def write_markdown(result: dict, path: Path) -> None:
             "",
             "Largest batch at a memory budget (`generate_gpu.py max-batch`: the allocator capped "
             "at the budget; `batch` ran, `failed` did not, `-` where no larger batch tried in "
-            "that call failed; memory of the batch that ran, GB; below the table, why the "
-            "failed batch failed):",
+            "that call failed, with the call that tried it where an earlier one did; memory "
+            "of the batch that ran, GB; below the table, why the failed batch failed):",
             "",
             "| model | kv | budget GB | prompt + new | batch | failed | tokens/s | peak | weights "
             "| cache | working | call |",
@@ -659,9 +677,12 @@ def write_markdown(result: dict, path: Path) -> None:
             def f(k, fmt=".1f", m=m):
                 return format(m[k], fmt) if isinstance(m.get(k), float) else "-"
 
+            failed = m["failed_batch"] or "-"
+            if m.get("failed_call"):
+                failed = f"{failed} ({m['failed_call']})"
             lines.append(
                 f"| {m['model']} | {m['kv']} | {m['budget_gb']:.0f} | {m['prompt']} + "
-                f"{m['new_tokens']} | {m['batch'] or 'none ran'} | {m['failed_batch'] or '-'} | "
+                f"{m['new_tokens']} | {m['batch'] or 'none ran'} | {failed} | "
                 f"{f('tokens_per_s', '.0f')} | {f('peak_gb')} | {f('weights_gb')} | "
                 f"{f('cache_gb')} | {f('working_gb')} | {m['call']} |"
             )
