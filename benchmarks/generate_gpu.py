@@ -740,7 +740,7 @@ def plot_max_batch(result: dict, path: Path) -> None:
     fields = ("tokens_per_s", "peak_gb", "weights_gb", "kv_bytes_gb")
     tries = [t for t in result["max_batch_tries"] if all(f in t for f in fields)]
     rows = [r for r in result["rows"] if key(r) in searched and all(f in r for f in fields)]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 6.5))
     for k, budget in sorted({(key(t), t["budget_gb"]) for t in tries}):
         pts = sorted((t["batch"], t["tokens_per_s"]) for t in tries
                      if (key(t), t["budget_gb"]) == (k, budget))  # fmt: skip
@@ -751,7 +751,7 @@ def plot_max_batch(result: dict, path: Path) -> None:
         ax.plot(*zip(*pts, strict=True), "s", mfc="none", label=f"{k[1]} {k[2]}+{k[3]}, table")
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # hides none
     bars = sorted(rows + tries, key=lambda r: (key(r), r["batch"]))
     x = np.arange(len(bars))
     bottom = np.zeros(len(bars))
