@@ -36,11 +36,14 @@ from kivi_jax.pallas_kernels.decode_attention import (
 from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tiles
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
-    # register prefetch), both timed on the H200
+    # register prefetch), both timed on the H200; the tensor-core GQA score kernel at
+    # Llama-3-8B's 4 query heads per KV head (not yet run on a GPU)
     (GpuTuning(), 2, 1),
     (GpuTuning(), 4, 1),
     (GpuTuning(score_stages=1), 2, 1),
     (GpuTuning(score_stages=1), 4, 1),
+    (GpuTuning(gqa_scores="tensor_cores"), 2, 4),
+    (GpuTuning(gqa_scores="tensor_cores"), 4, 4),
 ]
 
 
@@ -156,8 +159,11 @@ def analyse(
     # program serves one query head
     stages = tuning.key_stages(n_rep, k_bits=bits, programs=programs)
     score_tiles_per_iter = tuning.prefetch if stages == 1 else 1
-    per_thread = {
-        "score": groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
+    tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
+    per_thread = {  # the tensor-core score kernel: one key group per iteration, n_rep heads
+        "score": G * D / 32 * n_rep
+        if tensor_cores
+        else groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
         "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
     }
     warps = {"score": tuning.score_warps, "value": tuning.value_warps}
@@ -214,7 +220,10 @@ def main(argv=None):
         "",
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
         "per code = loop instructions / codes one thread handles per loop iteration (score and",
-        "value programs serve one query head each, so n_rep does not change their loops).",
+        "value programs serve one query head each, so n_rep does not change their loops); for",
+        "the tensor-core GQA score kernel (`gqa_scores`), whose warp scores the n_rep query heads",
+        "of a KV head at once, per code and query head: loop instructions / (its lane's 128",
+        "codes of a key group x n_rep).",
         "",
         "LDG span: where the loop's global loads sit (first and last, % of the loop body; the",
         "loads of the next tiles should come before the arithmetic). STS: shared-memory stores",

@@ -325,24 +325,29 @@ def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R
 # CPU (interpret) grid: each case covers several axes at once (pairwise), a few seconds apiece.
 # Final lengths (prompt + 5 steps: 32, 305, 69, 185) are shorter than R, not multiples of G or
 # of the block, past key flushes and value-ring wraps; test_length_zero_row covers l = 0.
+# The last four: the tensor-core GQA score kernel (`gqa_scores.py`) in the whole step.
 _CPU_CASES = [
-    # k_bits, v_bits, D, n_rep, dtype
-    (2, 2, 128, 4, jnp.bfloat16),
-    (4, 4, 64, 1, jnp.float16),
-    (2, 4, 64, 3, jnp.bfloat16),
-    (4, 2, 128, 8, jnp.float16),
-    (2, 2, 64, 1, jnp.float16),
-    (4, 4, 128, 3, jnp.bfloat16),
+    # k_bits, v_bits, D, n_rep, dtype, GpuTuning.gqa_scores
+    (2, 2, 128, 4, jnp.bfloat16, "cuda_cores"),
+    (4, 4, 64, 1, jnp.float16, "cuda_cores"),
+    (2, 4, 64, 3, jnp.bfloat16, "cuda_cores"),
+    (4, 2, 128, 8, jnp.float16, "cuda_cores"),
+    (2, 2, 64, 1, jnp.float16, "cuda_cores"),
+    (4, 4, 128, 3, jnp.bfloat16, "cuda_cores"),
+    (2, 2, 128, 4, jnp.bfloat16, "tensor_cores"),
+    (4, 2, 64, 3, jnp.float16, "tensor_cores"),
+    (2, 4, 64, 8, jnp.bfloat16, "tensor_cores"),
+    (4, 4, 128, 2, jnp.float16, "tensor_cores"),
 ]
 
 
-@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype"), _CPU_CASES)
-def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype):
+@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype", "gqa_scores"), _CPU_CASES)
+def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype, gqa_scores):
     q, cache = _case(
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=2, max_len=400,
         prompts=[27, 300, 64, 180], steps=5, R=64,
     )  # fmt: skip
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3))
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3, gqa_scores=gqa_scores))
 
 
 def test_length_zero_row_interpret(rng):
@@ -537,6 +542,7 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"score_slices": 0}, "score_slices must be a positive int"),
         ({"value_quads": 0}, "value_quads must be a positive int"),
         ({"tail_slots": 0}, "tail_slots must be a positive int"),
+        ({"gqa_scores": "mma"}, "gqa_scores must be 'cuda_cores' or 'tensor_cores'"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):
@@ -575,19 +581,18 @@ def test_unsupported_configs_are_named():
     assert "group_size=8" in supported_config_reason(**{**ok, "group_size": 8})
 
 
-_GPU_GRID = list(
-    itertools.product(
-        [(2, 2), (4, 4), (2, 4), (4, 2)],
-        [64, 128],
-        [1, 3, 4, 8],
-        [jnp.bfloat16, jnp.float16],
+_GPU_GRID = [  # the CUDA-core score kernel at n_rep 1, 3, 4, 8; the tensor-core one (GQA) too
+    (bits, D, n_rep, dtype, scores)
+    for scores, reps in (("cuda_cores", [1, 3, 4, 8]), ("tensor_cores", [2, 3, 4, 8]))
+    for bits, D, n_rep, dtype in itertools.product(
+        [(2, 2), (4, 4), (2, 4), (4, 2)], [64, 128], reps, [jnp.bfloat16, jnp.float16]
     )
-)
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype"), _GPU_GRID)
-def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
+@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype", "gqa_scores"), _GPU_GRID)
+def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, gqa_scores):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     k_bits, v_bits = bits
@@ -595,7 +600,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype):
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
     )  # fmt: skip
-    _check(q, cache, interpret=False)
+    _check(q, cache, interpret=False, tuning=GpuTuning(gqa_scores=gqa_scores))
 
 
 @pytest.mark.gpu

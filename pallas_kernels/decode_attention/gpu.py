@@ -58,9 +58,10 @@ Measured on an H200 (docs/performance.md, GPU time): 3.93x faster than cuDNN bf1
 at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.68x; 245.6 and 360.7 µs a step against 965.6).
 With GQA every query head has its own score and value programs, which read the KV head's
 words in turn (through L2): at Llama-3-8B heads (4 query heads per KV head), 8 x 32k, the
-kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed. The kernels read one layer's
-arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode step hands
-them over without a copy.
+kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed (`gqa_scores.py` scores all the
+query heads of a KV head at once on tensor cores: `GpuTuning.gqa_scores`). The kernels read
+one layer's arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode
+step hands them over without a copy.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import state, triton_stages
+from kivi_jax.pallas_kernels.decode_attention import gqa_scores, state, triton_stages
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
@@ -142,6 +143,10 @@ class GpuTuning:
       token splits in turn).
     num_stages: Triton's num_stages for both kernels (their loops are pipelined only where
       `score_stages` marks them).
+    gqa_scores: the score kernel with GQA (n_rep > 1): "cuda_cores" (`key_scores`, one
+      program per query head) or "tensor_cores" (`gqa_scores.gqa_key_scores`: one warp per
+      KV head scores its <= 8 query heads with mma.sync; G = 32 only). Tested in interpret
+      mode and built for sm_90a, not yet run on a GPU: not the default (docs/performance.md).
     """
 
     score_rows: int = 16
@@ -160,11 +165,18 @@ class GpuTuning:
     one_wave: int = 32 * 128
     tail_slots: int = 16
     num_stages: int = 2
+    gqa_scores: str = "cuda_cores"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in _NONE_MEANS_DEFAULT:
+                continue
+            if f.name == "gqa_scores":
+                if v not in ("cuda_cores", "tensor_cores"):
+                    raise ValueError(
+                        f"GpuTuning.gqa_scores must be 'cuda_cores' or 'tensor_cores', got {v!r}"
+                    )
                 continue
             if f.name == "value_interleave":
                 if not isinstance(v, bool):
@@ -827,13 +839,15 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
                     interpret):  # fmt: skip
     """The value kernel: S token splits per row, each a partial softmax over its quantized
     values and its share of the residual tail against its own max (`_value_kernel`).
-    q [B, H, n_rep, D], scores [B, H, n_rep, C] and block_max [B, H, n_rep, P] (`key_scores`),
+    q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, P] (`key_scores`,
+    slots = n_rep; or `gqa_key_scores`, 8 head slots of which the first n_rep are read in place),
     k_residual / v_residual [B, H, R, D] -> per split its max logit m [B, H, n_rep, S], the
     sums of 2**(s_t - m) v_t over its quantized values [B, H, n_rep, S, D] and over its tail
     share [B, H, n_rep, S, D], and the sum of 2**(s_t - m) over both [B, H, n_rep, S]. One
     query head per program: with GQA the n_rep heads of a KV head read its value words in
     turn (through L2)."""
-    B, H, n_rep, C = scores.shape
+    B, H, slots, C = scores.shape
+    n_rep = q.shape[2]
     P, R = block_max.shape[3], k_residual.shape[2]
     D = v_codes.shape[3] * (8 // bits)
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
@@ -852,6 +866,9 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     S = pl.cdiv(n_steps, steps_per_split)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
     row = lambda b, h, s: (b, h, 0)
+    slot = lambda b, h, s: (b, h)  # query head h's slot of the scores: h, or where the
+    if slots != n_rep:  # scores have more slots than the KV head's query heads
+        slot = lambda b, h, s: (b, h // n_rep * slots + h % n_rep)
     per_split = lambda b, h, s: (b, h, s)
     residual = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
     m, o, o_tail, l_sum = pl.pallas_call(
@@ -874,15 +891,15 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         grid=(B, Hq, S),
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, P), row),
-            pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, P), lambda b, h, s: (*slot(b, h, s), 0)),
+            pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (*slot(b, h, s), 0, 0)),
             pl.BlockSpec((None, None, C // 4, 4, n_ch, wpg), lambda b, h, s: (*kv(b, h, s), 0)),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, D), row),
             residual,
             residual,
-            pl.BlockSpec((None, None, C), row),
+            pl.BlockSpec((None, None, C), lambda b, h, s: (*slot(b, h, s), 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None), per_split),
@@ -905,15 +922,15 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         name="kivi_values",
     )(
         lengths,
-        block_max.reshape(B, Hq, P),
-        scores.reshape(B, Hq, C // 4, 4),
+        block_max.reshape(B, H * slots, P),
+        scores.reshape(B, H * slots, C // 4, 4),
         _words(v_codes).reshape(B, H, C // 4, 4, n_ch, wpg),
         v_scale.reshape(B, H, C // 4, 4, n_ch),
         v_zero.reshape(B, H, C // 4, 4, n_ch),
         q.reshape(B, Hq, D),
         k_residual,
         v_residual,
-        scores.reshape(B, Hq, C),
+        scores.reshape(B, H * slots, C),
     )
     return (
         m.reshape(B, H, n_rep, S),
@@ -972,10 +989,16 @@ def kivi_decode_attention_gpu(
     q_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E  # base-2 logits
     q = q.reshape(B, H, n_rep, D)
     common = dict(group_size=G, interpret=interpret)
-    scores, block_max = key_scores(
-        q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
-        tuning=tuning, **common,
-    )  # fmt: skip
+    if n_rep > 1 and tuning.gqa_scores == "tensor_cores":
+        scores, block_max = gqa_scores.gqa_key_scores(
+            q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
+            residual_length=R, **common,
+        )  # fmt: skip
+    else:
+        scores, block_max = key_scores(
+            q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
+            residual_length=R, tuning=tuning, **common,
+        )  # fmt: skip
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,

@@ -1,0 +1,312 @@
+"""GQA key scores on tensor cores: a KV head's codes unpacked once for all its query heads.
+
+With grouped-query attention the n_rep query heads of a KV head read the same key codes. The
+CUDA-core score kernel (`gpu.key_scores`) runs one program per query head, so its work grows
+with the query heads. Here one program (one warp) per (sequence, KV head, tile of key groups)
+scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 sums):
+
+    S[t, h] = sum_d c_td (q_hd s_gd) + sum_d q_hd z_gd      (k_td = s_gd c_td + z_gd)
+
+* A (16 x 16, rows = tokens, k = channels): the tile's key codes, unpacked in registers into
+  f16 pairs. A key word holds 4 channels of `8 // bits` tokens (one field per token); each
+  lane takes the two bytes of its fragment (one PRMT), keeps one field (c * 2**(bits*j) in
+  each half) with the exponent of 1024 ORed in (one LOP3), and subtracts 1024 (one HSUB2):
+  exact integers. Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
+* B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
+  q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
+* The field's 2**(bits*j) and the zero points' sum_d q_hd z_gd (summed over a head's 4 lanes
+  by two butterfly shuffles) are applied to the accumulators per row.
+
+Every operand lives in registers as a [32]-shaped tensor whose element i sits on lane i (one
+warp, Triton's 1-D blocked layout), loaded lane by lane (gathers): the fragments are built
+where the `mma` reads them, with nothing staged through shared memory (the layout conversion
+that made a `pl.dot` kernel slow: docs/history.md, G1). The mma, PRMT, f16 packing and
+shuffles are inline PTX; in interpret mode each has a jnp twin that computes the warp's
+result on the 32 lanes, so the CPU tests check the fragment bookkeeping exactly.
+
+Outputs as `gpu.key_scores`, but with 8 head slots (each lane writes its own, no masked
+stores): logits [B, H, 8, C] (base 2, of q * q_scale; defined for t < Qk, heads < n_rep) and
+each lane's maximum, 8 per head and program [B, H, 8, 8 P]; the value kernel reads the first
+n_rep slots in place (`gpu.weighted_values`).
+
+Supported: group_size 32, head_dim a multiple of 16, n_rep <= 8, k_bits 2 or 4,
+bfloat16/float16 scales. Local SASS (Triton 3.6.0, sm_90a, no GPU; head_dim 128): 99 registers
+at 2 bits (80 at 4), no spills, 485 instructions (528) in the loop over a key group of 4096
+codes, 3.8 (4.1) per code for all the heads; the CUDA-core kernel's loop takes 2.0 (2.7) per
+code and head (`benchmarks/results/sass.md`). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks per group)
+MAX_HEADS = 8  # query heads per KV head: the mma's N
+_NEG_INIT = -1e30
+_MAGIC = 0x64006400  # 1024.0 in both f16 halves
+_F32 = jax.ShapeDtypeStruct((32,), jnp.float32)
+_I32 = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+
+def supported_reason(*, n_rep: int, group_size: int, head_dim: int, k_bits: int) -> str | None:
+    """None if `gqa_key_scores` takes this configuration, else a sentence saying why not."""
+    if n_rep > MAX_HEADS:
+        return f"n_rep={n_rep}: the tensor-core score kernel takes at most {MAX_HEADS}"
+    if group_size != GROUP_SIZE:
+        return f"group_size={group_size}: the tensor-core score kernel takes {GROUP_SIZE}"
+    if head_dim % 16:
+        return f"head_dim={head_dim}: the tensor-core score kernel needs a multiple of 16"
+    if k_bits not in (2, 4):
+        return f"k_bits={k_bits}: the tensor-core score kernel takes 2 and 4"
+    return None
+
+
+def _asm(asm: str, args, constraints: str, out=_I32):
+    """One inline-PTX result per lane (jax's lowering takes one result per asm)."""
+    [r] = plgpu.elementwise_inline_asm(
+        asm, args=args, constraints=constraints, pack=1, result_shape_dtypes=[out]
+    )
+    return r
+
+
+def f16_halves(x):
+    """int32 [32] -> (low, high) f16 halves as float32 [32]."""
+    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return (
+        half(x & 0xFFFF).astype(jnp.float32),
+        half(lax.shift_right_logical(x, 16)).astype(jnp.float32),
+    )
+
+
+def pack_f16x2(lo, hi, *, interpret: bool):
+    """float32 [32] pair -> int32 [32]: f16(lo) in the low half, f16(hi) in the high half."""
+    if interpret:
+        bits = lambda x: lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
+        return bits(lo).astype(jnp.int32) | (bits(hi).astype(jnp.int32) << 16)
+    return _asm("cvt.rn.f16x2.f32 $0, $1, $2;", [hi, lo], "=r,f,f")
+
+
+def sub_f16x2(x, y, *, interpret: bool):
+    """Halfwise f16 x - y of int32 [32] words."""
+    if interpret:
+        (x0, x1), (y0, y1) = f16_halves(x), f16_halves(y)
+        return pack_f16x2(x0 - y0, x1 - y1, interpret=True)
+    return _asm("sub.f16x2 $0, $1, $2;", [x, y], "=r,r,r")
+
+
+def prmt(a, b, selector, *, interpret: bool):
+    """PRMT with a per-lane selector: byte i of the result is byte (selector >> 4i) & 7 of
+    the 8 bytes of (b, a), a's first."""
+    if interpret:
+        out = jnp.zeros_like(a)
+        for i in range(4):
+            k = lax.shift_right_logical(selector, 4 * i) & 7
+            byte = lax.shift_right_logical(jnp.where(k < 4, a, b), 8 * (k % 4)) & 0xFF
+            out = out | (byte << (8 * i))
+        return out
+    return _asm("prmt.b32 $0, $1, $2, $3;", [a, b, selector], "=r,r,r,r")
+
+
+def shfl_xor(x, mask: int, *, interpret: bool):
+    """Lane i gets float32 x of lane i ^ mask."""
+    if interpret:
+        return x[jnp.arange(32) ^ mask]
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    r = _asm(f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", [bits], "=r,r")
+    return lax.bitcast_convert_type(r, jnp.float32)
+
+
+def shfl_idx(x, src, *, interpret: bool):
+    """Lane i gets float32 x of lane src[i]."""
+    if interpret:
+        return x[src]
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    r = _asm("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", [bits, src], "=r,r,r")
+    return lax.bitcast_convert_type(r, jnp.float32)
+
+
+def mma_m16n8k16(a, b, c, *, interpret: bool):
+    """The warp's D = A B + C, `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`.
+
+    Lane l = 4 g + t holds A (16 x 16 f16) as a[0]: row g, k 2t and 2t + 1 (low half first);
+    a[1]: row g + 8; a[2]: row g, k 2t + 8, 2t + 9; a[3]: row g + 8, k 2t + 8, 2t + 9;
+    B (16 x 8) as b[0]: k 2t, 2t + 1 of column g; b[1]: k 2t + 8, 2t + 9; C and D (16 x 8
+    float32) as c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]: row g + 8.
+    """
+    if interpret:
+        lane = jnp.arange(32)
+        g, t = lane // 4, lane % 4
+        A = jnp.zeros((16, 16), jnp.float32)
+        for reg, (row, k) in zip(
+            a, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)], strict=True
+        ):
+            lo, hi = f16_halves(reg)
+            A = A.at[row, k].set(lo).at[row, k + 1].set(hi)
+        Bm = jnp.zeros((16, 8), jnp.float32)
+        for reg, k in zip(b, [2 * t, 2 * t + 8], strict=True):
+            lo, hi = f16_halves(reg)
+            Bm = Bm.at[k, g].set(lo).at[k + 1, g].set(hi)
+        prod = jnp.dot(A, Bm, precision=lax.Precision.HIGHEST)
+        return [
+            c[0] + prod[g, 2 * t],
+            c[1] + prod[g, 2 * t + 1],
+            c[2] + prod[g + 8, 2 * t],
+            c[3] + prod[g + 8, 2 * t + 1],
+        ]
+    out = []
+    for i in range(4):  # the same mma for each output register: ptxas keeps one
+        asm = (
+            "{ .reg .f32 t<4>; mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{t0, t1, t2, t3}, {$1, $2, $3, $4}, {$5, $6}, {$7, $8, $9, $10}; "
+            f"mov.b32 $0, t{i}; }}"
+        )
+        out.append(_asm(asm, [*a, *b, *c], "=f," + ",".join("r" * 6) + ",f,f,f,f", _F32))
+    return out
+
+
+def _pair(w, dtype):
+    """int32 [32] holding two 16-bit floats of `dtype` (lower channel low) -> (lo, hi) f32."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
+        return f32(w << 16), f32(w & -65536)
+    return f16_halves(w)
+
+
+def _kernel(
+    len_ref,  # []               int32
+    q_ref,  # [n_rep, D]         the queries of one KV head (their dtype; times q_scale here)
+    ks_ref,  # [C/G, D/2]        int32 key scales, channels 2i and 2i + 1 per word
+    kz_ref,  # [C/G, D/2]        int32 key zero points, likewise
+    kw_ref,  # [C/kpb, D/4]      int32 key words: token byte, channel quad
+    s_ref,  # out [8, C]         f32 logits, head slot h, token t
+    m_ref,  # out [8, 8]         f32 max of lane (g, t)'s logits of head slot 2t + e at [2t + e, g]
+    *,
+    n_rep: int,
+    bits: int,
+    residual_length: int,
+    program_groups: int,
+    q_scale: float,
+    param_dtype,
+    interpret: bool,
+):
+    D = q_ref.shape[1]
+    G, kpb = GROUP_SIZE, 8 // bits
+    GB = G // kpb  # token bytes per key group
+    lane = lax.broadcasted_iota(jnp.int32, (32,), 0)
+    g, t = lane // 4, lane % 4  # the lane's A rows g, g + 8 and B column (head) g
+    # B: channels 16c + 2t + {0, 1, 8, 9} of chunk c, head g (0 past n_rep)
+    chans = [16 * c + 2 * t + o for c in range(D // 16) for o in (0, 1, 8, 9)]
+    pairs = [8 * c + t + o for c in range(D // 16) for o in (0, 4)]  # the same, as pairs
+    head = jnp.minimum(g, n_rep - 1)
+    q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
+    selector = jnp.where(t % 2 == 0, 0x4140, 0x4342)  # the lane's two bytes -> the two halves
+    magic = jnp.full((32,), _MAGIC, jnp.int32)
+    length = len_ref[()]
+    qk_groups = (length - length % residual_length) // G
+    g0 = pl.program_id(2) * program_groups
+    n_groups = jnp.clip(qk_groups - g0, 0, program_groups)
+    # row blocks of 16 tokens: (which token byte, token byte of row g, field of row g; row
+    # g + 8 has the next field); at 2 bits both blocks read the same token byte's words
+    if bits == 2:
+        blocks = [(0, g, 0), (0, g, 2)]
+    else:
+        blocks = [(0, g, 0), (1, 8 + g, 0)]
+
+    def group(i, maxima):
+        gi = g0 + i
+        s = [v for w in pairs for v in _pair(ks_ref[gi, w], param_dtype)]
+        z = [v for w in pairs for v in _pair(kz_ref[gi, w], param_dtype)]
+        b = [
+            pack_f16x2(q[k] * s[k], q[k + 1] * s[k + 1], interpret=interpret)
+            for k in range(0, len(q), 2)
+        ]  # b[2c], b[2c + 1]: chunk c's B fragment
+        bias = functools.reduce(jnp.add, [x * y for x, y in zip(q, z, strict=True)])
+        bias = bias + shfl_xor(bias, 1, interpret=interpret)
+        bias = bias + shfl_xor(bias, 2, interpret=interpret)  # head g's sum_d q_d z_gd
+        bias = [shfl_idx(bias, 8 * t + 4 * e, interpret=interpret) for e in (0, 1)]  # 2t + e
+        words = {}  # key words by (token byte, word): the two row blocks share them at 2 bits
+        maxima = list(maxima)
+        for tb_key, tb, j in blocks:
+            masks = [((1 << bits) - 1) << (bits * f) for f in (j, j + 1)]
+            acc = [jnp.zeros((32,), jnp.float32)] * 4
+            for c in range(D // 16):
+                for k, w in enumerate((4 * c + t // 2, 4 * c + 2 + t // 2)):  # k 2t, 2t + 8
+                    if (tb_key, c, k) not in words:
+                        x = kw_ref[gi * GB + tb, w]
+                        y = prmt(x, jnp.zeros_like(x), selector, interpret=interpret)
+                        words[tb_key, c, k] = y
+                halves = [words[tb_key, c, k] for k in (0, 1)]
+                a = [
+                    sub_f16x2((y & (m * 0x00010001)) | magic, magic, interpret=interpret)
+                    for y in halves
+                    for m in masks
+                ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
+                acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
+            for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
+                score = acc[r] * 2.0 ** (-bits * field) + bias[e]
+                s_ref[2 * t + e, gi * G + kpb * tb + field] = score  # every lane its own slots
+                maxima[e] = jnp.maximum(maxima[e], score)
+        return tuple(maxima)
+
+    init = jnp.full((32,), _NEG_INIT, jnp.float32)
+    maxima = lax.fori_loop(0, n_groups, group, (init, init))
+    for e in (0, 1):
+        m_ref[2 * t + e, g] = maxima[e]
+
+
+def gqa_key_scores(
+    q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size, residual_length,
+    interpret, program_groups: int = 16,
+):  # fmt: skip
+    """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
+    [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, 8, C] (head
+    slots; those below n_rep defined for t < Qk) and maxima [B, H, 8, 8 P] (P programs of
+    `program_groups` key groups per row; -1e30 where a lane held no logit)."""
+    B, H, n_rep, D = q.shape
+    reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    kpb = 8 // bits
+    C = k_codes.shape[2] * kpb
+    G = group_size
+    P = pl.cdiv(C // G, program_groups)
+    words = lax.bitcast_convert_type(k_codes.reshape(B, H, C // kpb, D // 4, 4), jnp.int32)
+    pairs = lambda x: lax.bitcast_convert_type(x.reshape(B, H, C // G, D // 2, 2), jnp.int32)
+    whole = lambda b, h, p: (b, h, 0, 0)
+    return pl.pallas_call(
+        functools.partial(
+            _kernel,
+            n_rep=n_rep,
+            bits=bits,
+            residual_length=residual_length,
+            program_groups=program_groups,
+            q_scale=q_scale,
+            param_dtype=k_scale.dtype,
+            interpret=interpret,
+        ),
+        grid=(B, H, P),
+        in_specs=[
+            pl.BlockSpec((None,), lambda b, h, p: (b,)),
+            pl.BlockSpec((None, None, n_rep, D), whole),
+            pl.BlockSpec((None, None, C // G, D // 2), whole),
+            pl.BlockSpec((None, None, C // G, D // 2), whole),
+            pl.BlockSpec((None, None, C // kpb, D // 4), whole),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, MAX_HEADS, C), whole),
+            pl.BlockSpec((None, None, MAX_HEADS, 8), lambda b, h, p: (b, h, 0, p)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, MAX_HEADS, C), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, MAX_HEADS, 8 * P), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="kivi_scores_mma",
+    )(lengths, q, pairs(k_scale), pairs(k_zero), words)

@@ -1,0 +1,164 @@
+"""The tensor-core GQA score kernel (`pallas_kernels/decode_attention/gqa_scores.py`): its
+lane-level building blocks against their definitions, and its logits against float64 on fresh
+random codes (interpret mode on the CPU; the same on a GPU with -m gpu). The whole decode step
+with it: test_decode_attention_kernel.py (`gqa_scores="tensor_cores"`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_jax.pallas_kernels.decode_attention import gqa_scores as gq
+
+LOG2E = 1.4426950408889634
+
+
+def test_warp_mma_is_the_16x16_by_16x8_product(rng):
+    # the fragments as the PTX ISA lays out m16n8k16 (row g = lane // 4, t = lane % 4)
+    A = rng.normal(size=(16, 16)).astype(np.float16).astype(np.float32)
+    B = rng.normal(size=(16, 8)).astype(np.float16).astype(np.float32)
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    pack = functools.partial(gq.pack_f16x2, interpret=True)
+    f = lambda M, r, k: (jnp.asarray(M[r, k]), jnp.asarray(M[r, k + 1]))
+    a = [
+        pack(*f(A, r, k))
+        for r, k in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]
+    ]
+    b = [pack(*f(B.T, g, k)) for k in (2 * t, 2 * t + 8)]
+    c = [jnp.full((32,), 1.0)] * 4
+    d = [np.asarray(x) for x in gq.mma_m16n8k16(a, b, c, interpret=True)]
+    want = A @ B + 1.0
+    for x, (r, col) in zip(
+        d, [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)], strict=True
+    ):
+        np.testing.assert_allclose(x, want[r, col], rtol=1e-6, atol=1e-5)
+
+
+def test_prmt_picks_the_selected_bytes(rng):
+    a, b = (jnp.asarray(rng.integers(-(2**31), 2**31, 32), jnp.int32) for _ in range(2))
+    sel = jnp.asarray(rng.integers(0, 2**16, 32), jnp.int32)
+    out = np.asarray(gq.prmt(a, b, sel, interpret=True)).view(np.uint32)
+    both = np.stack(
+        [np.asarray(a).view(np.uint8).reshape(32, 4), np.asarray(b).view(np.uint8).reshape(32, 4)],
+        1,
+    ).reshape(32, 8)
+    for lane in range(32):
+        picks = [(int(sel[lane]) >> (4 * i)) & 7 for i in range(4)]
+        assert out[lane] == int.from_bytes(bytes(both[lane, picks]), "little")
+
+
+def test_codes_unpack_exactly_into_f16_halves():
+    # the kernel's unpacking: a field of two bytes, ORed into 1024.0, minus 1024.0
+    for bits in (2, 4):
+        for j in range(8 // bits):
+            codes = np.arange(256, dtype=np.int32)
+            y = codes | (codes[::-1] << 16)  # the two bytes, already in the two halves
+            mask = ((1 << bits) - 1) << (bits * j)
+            x = gq.sub_f16x2((jnp.asarray(y) & (mask * 0x00010001)) | gq._MAGIC,
+                             jnp.full((256,), gq._MAGIC, jnp.int32), interpret=True)  # fmt: skip
+            lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
+            np.testing.assert_array_equal(lo, codes & mask)
+            np.testing.assert_array_equal(hi, codes[::-1] & mask)
+
+
+def _reference(q, codes, s, z, *, bits, q_scale):
+    """float64 logits [B, H, n_rep, C] of the dequantized keys (codes: byte row r, field j
+    holds token kpb r + j)."""
+    B, H, _, D = q.shape
+    kpb = 8 // bits
+    c = np.stack([(codes >> (bits * j)) & ((1 << bits) - 1) for j in range(kpb)], axis=3)
+    c = c.reshape(B, H, -1, D).astype(np.float64)
+    k = c * np.repeat(s.astype(np.float64), 32, axis=2) + np.repeat(
+        z.astype(np.float64), 32, axis=2
+    )
+    return np.einsum("bhrd,bhtd->bhrt", q.astype(np.float64) * q_scale, k)
+
+
+@pytest.mark.parametrize(
+    ("bits", "n_rep", "D", "dtype"),
+    [(2, 4, 128, jnp.bfloat16), (4, 8, 128, jnp.float16), (2, 3, 64, jnp.float16),
+     (4, 2, 64, jnp.bfloat16), (2, 1, 128, jnp.bfloat16)],
+)  # fmt: skip
+def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype):
+    _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n_rep", [2, 3, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_logits_match_float64_gpu(rng, bits, n_rep, D, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=False)
+
+
+def _check_logits(rng, *, bits, n_rep, D, dtype, interpret, B=3, H=2, C=1152):
+    # C: 36 key groups, so the rows' third program holds 4; lengths: at the capacity, a
+    # quantized part ending mid-program, and a row with no quantized key (Qk = 0)
+    kpb, R = 8 // bits, 128
+    codes = rng.integers(0, 256, (B, H, C // kpb, D), dtype=np.uint8)
+    s = jnp.asarray(rng.random((B, H, C // 32, D)) * 0.5 + 0.01, dtype)
+    z = jnp.asarray(rng.normal(size=(B, H, C // 32, D)), dtype)
+    q = jnp.asarray(rng.normal(size=(B, H, n_rep, D)), jnp.bfloat16)
+    lengths = np.array([C, 700, 100], np.int32)
+    q_scale = LOG2E / np.sqrt(D)
+    logits, maxima = gq.gqa_key_scores(
+        q, jnp.asarray(codes), s, z, jnp.asarray(lengths), q_scale=q_scale, bits=bits,
+        group_size=32, residual_length=R, interpret=interpret,
+    )  # fmt: skip
+    assert logits.shape == (B, H, 8, C) and maxima.shape == (B, H, 8, 8 * 3)
+    logits, maxima = np.asarray(logits), np.asarray(maxima)
+    want = _reference(np.asarray(q, np.float32), codes, np.asarray(s, np.float32),
+                      np.asarray(z, np.float32), bits=bits, q_scale=q_scale)  # fmt: skip
+    for b, length in enumerate(lengths):
+        qk = length - length % R
+        got, ref = logits[b, :, :n_rep, :qk], want[b, :, :, :qk]
+        if qk:  # f16 operands, float32 sums: within 1e-3 of the largest logit
+            assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+        for p in range(3):
+            held = got[..., p * 512 : min((p + 1) * 512, qk)]
+            top = maxima[b, :, :n_rep, 8 * p : 8 * p + 8].max(-1)
+            np.testing.assert_array_equal(top, held.max(-1) if held.size else np.float32(-1e30))
+
+
+def test_unsupported_configurations_are_named():
+    assert "at most 8" in gq.supported_reason(n_rep=9, group_size=32, head_dim=128, k_bits=2)
+    assert "takes 32" in gq.supported_reason(n_rep=4, group_size=64, head_dim=128, k_bits=2)
+    assert gq.supported_reason(n_rep=8, group_size=32, head_dim=64, k_bits=4) is None
+    sd = jax.ShapeDtypeStruct
+    with pytest.raises(NotImplementedError, match="n_rep=9"):
+        jax.eval_shape(
+            functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
+                              residual_length=128, interpret=True),
+            sd((1, 1, 9, 128), jnp.bfloat16), sd((1, 1, 64, 128), jnp.uint8),
+            sd((1, 1, 8, 128), jnp.bfloat16), sd((1, 1, 8, 128), jnp.bfloat16),
+            sd((1,), jnp.int32),
+        )  # fmt: skip
+
+
+def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
+    # on a CPU-only jaxlib the kernel lowers to Triton IR for "cuda": the mma is its own inline
+    # PTX, not a Triton dot (whose operand layouts Triton would choose and stage through shared
+    # memory); benchmarks/kernel_sass.py builds it to SASS
+    from jax._src.pallas.triton import lowering
+
+    marked, modules = lowering.lower_jaxpr_to_triton_module, []
+    monkeypatch.setattr(
+        lowering, "lower_jaxpr_to_triton_module",
+        lambda *a, **k: modules.append(marked(*a, **k)) or modules[-1],
+    )  # fmt: skip
+    sd = jax.ShapeDtypeStruct
+    f = functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
+                          residual_length=128, interpret=False)  # fmt: skip
+    args = (sd((1, 2, 4, 128), jnp.bfloat16), sd((1, 2, 256, 128), jnp.uint8),
+            sd((1, 2, 32, 128), jnp.bfloat16), sd((1, 2, 32, 128), jnp.bfloat16),
+            sd((1,), jnp.int32))  # fmt: skip
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    [module] = [str(m.module) for m in modules]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in module
+    assert "tt.dot" not in module
