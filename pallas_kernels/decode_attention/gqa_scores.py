@@ -18,7 +18,8 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   by two butterfly shuffles) are applied to the accumulators per row.
 
 Every operand lives in registers as a [32]-shaped tensor whose element i sits on lane i (one
-warp, Triton's 1-D blocked layout), loaded lane by lane (gathers): the fragments are built
+warp, Triton's 1-D blocked layout: the only layout in the kernel's TTGIR, which holds no layout
+conversion and no shared memory), loaded lane by lane (gathers): the fragments are built
 where the `mma` reads them, with nothing staged through shared memory (the layout conversion
 that made a `pl.dot` kernel slow: docs/history.md, G1). The mma, PRMT, f16 packing and
 shuffles are inline PTX; in interpret mode each has a jnp twin that computes the warp's
@@ -134,8 +135,10 @@ def shfl_idx(x, src, *, interpret: bool):
 def mma_m16n8k16(a, b, c, *, interpret: bool):
     """The warp's D = A B + C, `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`.
 
-    Lane l = 4 g + t holds A (16 x 16 f16) as a[0]: row g, k 2t and 2t + 1 (low half first);
-    a[1]: row g + 8; a[2]: row g, k 2t + 8, 2t + 9; a[3]: row g + 8, k 2t + 8, 2t + 9;
+    Fragments as the PTX ISA lays them out ("Matrix Fragments for mma.m16n8k16 with floating
+    point type"): lane l = 4 g + t holds A (16 x 16 f16) as a[0]: row g, k 2t and 2t + 1 (low
+    half first); a[1]: row g + 8; a[2]: row g, k 2t + 8, 2t + 9; a[3]: row g + 8, k 2t + 8,
+    2t + 9;
     B (16 x 8) as b[0]: k 2t, 2t + 1 of column g; b[1]: k 2t + 8, 2t + 9; C and D (16 x 8
     float32) as c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]: row g + 8.
     """
