@@ -31,9 +31,9 @@ each lane's maximum, 8 per head and program [B, H, 8, 8 P]; the value kernel rea
 n_rep slots in place (`gpu.weighted_values`).
 
 Supported: group_size 32, head_dim a multiple of 16, n_rep <= 8, k_bits 2 or 4,
-bfloat16/float16 scales. Local SASS (Triton 3.6.0, sm_90a, no GPU; head_dim 128): 99 registers
-at 2 bits (80 at 4), no spills, 485 instructions (528) in the loop over a key group of 4096
-codes, 3.8 (4.1) per code for all the heads; the CUDA-core kernel's loop takes 2.0 (2.7) per
+bfloat16/float16 scales. Local SASS (Triton 3.6.0, sm_90a, no GPU; head_dim 128): 96 registers
+at 2 bits (80 at 4), no spills, 422 instructions (466) in the loop over a key group of 4096
+codes, 3.3 (3.6) per code for all the heads; the CUDA-core kernel's loop takes 2.0 (2.7) per
 code and head (`benchmarks/results/sass.md`). Not yet run on a GPU.
 """
 
@@ -91,6 +91,14 @@ def pack_f16x2(lo, hi, *, interpret: bool):
         bits = lambda x: lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
         return bits(lo).astype(jnp.int32) | (bits(hi).astype(jnp.int32) << 16)
     return _asm("cvt.rn.f16x2.f32 $0, $1, $2;", [hi, lo], "=r,f,f")
+
+
+def and_or(x, mask, bits, *, interpret: bool):
+    """(x & mask) | bits in one LOP3 (int32 [32] each; ptxas would spend two where both
+    constants are immediates)."""
+    if interpret:
+        return (x & mask) | bits
+    return _asm("lop3.b32 $0, $1, $2, $3, 0xEA;", [x, mask, bits], "=r,r,r,r")
 
 
 def sub_f16x2(x, y, *, interpret: bool):
@@ -210,6 +218,10 @@ def _kernel(
     q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
     selector = jnp.where(t % 2 == 0, 0x4140, 0x4342)  # the lane's two bytes -> the two halves
     magic = jnp.full((32,), _MAGIC, jnp.int32)
+    field_masks = [  # field f of both halves' low bytes
+        jnp.full((32,), (((1 << bits) - 1) << (bits * f)) * 0x00010001, jnp.int32)
+        for f in range(8 // bits)
+    ]
     length = len_ref[()]
     qk_groups = (length - length % residual_length) // G
     g0 = pl.program_id(2) * program_groups
@@ -236,7 +248,7 @@ def _kernel(
         words = {}  # key words by (token byte, word): the two row blocks share them at 2 bits
         maxima = list(maxima)
         for tb_key, tb, j in blocks:
-            masks = [((1 << bits) - 1) << (bits * f) for f in (j, j + 1)]
+            masks = [field_masks[f] for f in (j, j + 1)]
             acc = [jnp.zeros((32,), jnp.float32)] * 4
             for c in range(D // 16):
                 for k, w in enumerate((4 * c + t // 2, 4 * c + 2 + t // 2)):  # k 2t, 2t + 8
@@ -246,7 +258,7 @@ def _kernel(
                         words[tb_key, c, k] = y
                 halves = [words[tb_key, c, k] for k in (0, 1)]
                 a = [
-                    sub_f16x2((y & (m * 0x00010001)) | magic, magic, interpret=interpret)
+                    sub_f16x2(and_or(y, m, magic, interpret=interpret), magic, interpret=interpret)
                     for y in halves
                     for m in masks
                 ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
