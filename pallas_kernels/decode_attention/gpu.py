@@ -866,9 +866,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     S = pl.cdiv(n_steps, steps_per_split)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
     row = lambda b, h, s: (b, h, 0)
-    slot = lambda b, h, s: (b, h)  # query head h's slot of the scores: h, or where the
-    if slots != n_rep:  # scores have more slots than the KV head's query heads
-        slot = lambda b, h, s: (b, h // n_rep * slots + h % n_rep)
+    slot = lambda b, h, s: (b, h // n_rep * slots + h % n_rep)  # query head h's score slot
     per_split = lambda b, h, s: (b, h, s)
     residual = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
     m, o, o_tail, l_sum = pl.pallas_call(
