@@ -1,10 +1,10 @@
 """What bounds each decode kernel: its time with all its work, with its loads only, and with its
 arithmetic only (H200 or any CUDA GPU).
 
-The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main loop
-through ``gpu._pipelined_loop(n_tiles, depth, load, compute, carry, live, ring)``. This script times
-each kernel alone at one shape four ways, by swapping that function while the kernel is traced
-(the value kernel's short loop over its share of the residual tail is swapped too):
+The score and value kernels of ``pallas_kernels/decode_attention/gpu.py`` run their main
+loop through ``loops.pipelined_loop(n_tiles, depth, load, compute, carry, live, ring)``. This
+script times each kernel alone at one shape four ways, by swapping that function while the
+kernel is traced (the value kernel's short loop over its share of the residual tail is swapped too):
 
 * ``full``: the kernel as shipped;
 * ``loads``: the shipped loop and loads, with the arithmetic replaced by folding each loaded
@@ -49,7 +49,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax import lax
-from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu
+from kivi_jax.pallas_kernels.decode_attention import GpuTuning, loops
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as bench  # the shapes and random states
@@ -104,7 +104,7 @@ def _arith_only_loop(n_tiles, depth, load, compute, carry, live, ring=None):
     return _SHIPPED_LOOP(n_tiles, depth, perturbed, compute, carry, live, ring)
 
 
-_SHIPPED_LOOP = gpu._pipelined_loop
+_SHIPPED_LOOP = loops.pipelined_loop
 VARIANTS = {
     "full": None,
     "loads": _loads_only_loop,
@@ -116,11 +116,11 @@ VARIANTS = {
 @contextlib.contextmanager
 def _loop(variant: str):
     if VARIANTS[variant] is not None:
-        gpu._pipelined_loop = VARIANTS[variant]
+        loops.pipelined_loop = VARIANTS[variant]
     try:
         yield
     finally:
-        gpu._pipelined_loop = _SHIPPED_LOOP
+        loops.pipelined_loop = _SHIPPED_LOOP
 
 
 class ClockSampler:

@@ -78,12 +78,14 @@ def _reference(q, codes, s, z, *, bits, q_scale):
 
 
 @pytest.mark.parametrize(
-    ("bits", "n_rep", "D", "dtype"),
-    [(2, 4, 128, jnp.bfloat16), (4, 8, 128, jnp.float16), (2, 3, 64, jnp.float16),
-     (4, 2, 64, jnp.bfloat16), (2, 1, 128, jnp.bfloat16)],
+    ("bits", "n_rep", "D", "dtype", "program_groups", "prefetch"),
+    [(2, 4, 128, jnp.bfloat16, 16, 1), (4, 8, 128, jnp.float16, 16, 2),
+     (2, 3, 64, jnp.float16, 8, 1), (4, 2, 64, jnp.bfloat16, 16, 1),
+     (2, 1, 128, jnp.bfloat16, 4, 2)],
 )  # fmt: skip
-def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype):
-    _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=True)
+def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype, program_groups, prefetch):
+    _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=True,
+                  program_groups=program_groups, prefetch=prefetch)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -97,9 +99,11 @@ def test_logits_match_float64_gpu(rng, bits, n_rep, D, dtype):
     _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=False)
 
 
-def _check_logits(rng, *, bits, n_rep, D, dtype, interpret, B=3, H=2, C=1152):
-    # C: 36 key groups, so the rows' third program holds 4; lengths: at the capacity, a
-    # quantized part ending mid-program, and a row with no quantized key (Qk = 0)
+def _check_logits(
+    rng, *, bits, n_rep, D, dtype, interpret, program_groups=16, prefetch=1, B=3, H=2, C=1152
+):
+    # C: 36 key groups, so a row's last program holds fewer (4 of 16, 4 of 8); lengths: at
+    # the capacity, a quantized part ending mid-program, and a row with no quantized key
     kpb, R = 8 // bits, 128
     codes = rng.integers(0, 256, (B, H, C // kpb, D), dtype=np.uint8)
     s = jnp.asarray(rng.random((B, H, C // 32, D)) * 0.5 + 0.01, dtype)
@@ -109,9 +113,13 @@ def _check_logits(rng, *, bits, n_rep, D, dtype, interpret, B=3, H=2, C=1152):
     q_scale = LOG2E / np.sqrt(D)
     logits, maxima = gq.gqa_key_scores(
         q, jnp.asarray(codes), s, z, jnp.asarray(lengths), q_scale=q_scale, bits=bits,
-        group_size=32, residual_length=R, interpret=interpret,
+        group_size=32, residual_length=R, program_groups=program_groups, prefetch=prefetch,
+        interpret=interpret,
     )  # fmt: skip
-    assert logits.shape == (B, H, 8, C) and maxima.shape == (B, H, 8, 8 * 3)
+    P, span = -(-36 // program_groups), 32 * program_groups  # programs a row, their tokens
+    slots = gq.head_slots(n_rep)  # 1, 2, 4, 4, 8 for n_rep 1, 2, 3, 4, 8
+    assert slots >= n_rep and slots & (slots - 1) == 0
+    assert logits.shape == (B, H, slots, C) and maxima.shape == (B, H, slots, 8 * P)
     logits, maxima = np.asarray(logits), np.asarray(maxima)
     want = _reference(np.asarray(q, np.float32), codes, np.asarray(s, np.float32),
                       np.asarray(z, np.float32), bits=bits, q_scale=q_scale)  # fmt: skip
@@ -120,8 +128,8 @@ def _check_logits(rng, *, bits, n_rep, D, dtype, interpret, B=3, H=2, C=1152):
         got, ref = logits[b, :, :n_rep, :qk], want[b, :, :, :qk]
         if qk:  # f16 operands, float32 sums: within 1e-3 of the largest logit
             assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
-        for p in range(3):
-            held = got[..., p * 512 : min((p + 1) * 512, qk)]
+        for p in range(P):
+            held = got[..., p * span : min((p + 1) * span, qk)]
             top = maxima[b, :, :n_rep, 8 * p : 8 * p + 8].max(-1)
             np.testing.assert_array_equal(top, held.max(-1) if held.size else np.float32(-1e30))
 
@@ -134,7 +142,8 @@ def test_unsupported_configurations_are_named():
     with pytest.raises(NotImplementedError, match="n_rep=9"):
         jax.eval_shape(
             functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
-                              residual_length=128, interpret=True),
+                              residual_length=128, program_groups=16, prefetch=1,
+                              interpret=True),
             sd((1, 1, 9, 128), jnp.bfloat16), sd((1, 1, 64, 128), jnp.uint8),
             sd((1, 1, 8, 128), jnp.bfloat16), sd((1, 1, 8, 128), jnp.bfloat16),
             sd((1,), jnp.int32),
@@ -154,7 +163,8 @@ def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
     )  # fmt: skip
     sd = jax.ShapeDtypeStruct
     f = functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
-                          residual_length=128, interpret=False)  # fmt: skip
+                          residual_length=128, program_groups=16, prefetch=1,
+                          interpret=False)  # fmt: skip
     args = (sd((1, 2, 4, 128), jnp.bfloat16), sd((1, 2, 256, 128), jnp.uint8),
             sd((1, 2, 32, 128), jnp.bfloat16), sd((1, 2, 32, 128), jnp.bfloat16),
             sd((1,), jnp.int32))  # fmt: skip

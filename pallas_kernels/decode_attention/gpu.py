@@ -75,10 +75,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import gqa_scores, state, triton_stages
+from kivi_jax.pallas_kernels.decode_attention import gqa_scores, loops, state, triton_stages
 
 _LOG2E = math.log2(math.e)
-_NEG_INIT = -1e30  # running-max start: finite, so an empty row never computes inf - inf
 # Value sums chained over a tile: 254 S_hi + S_lo <= chain * 4 * 255 * 127 * 255 < 2**31.
 _MAX_CHAIN = 64
 
@@ -145,8 +144,12 @@ class GpuTuning:
       `score_stages` marks them).
     gqa_scores: the score kernel with GQA (n_rep > 1): "cuda_cores" (`key_scores`, one
       program per query head) or "tensor_cores" (`gqa_scores.gqa_key_scores`: one warp per
-      KV head scores its <= 8 query heads with mma.sync; G = 32 only). Tested in interpret
-      mode and built for sm_90a, not yet run on a GPU: not the default (docs/performance.md).
+      KV head scores its <= 8 query heads with mma.sync; G = 32 only). On the H200 (96 GPU
+      tests passed) it runs the Llama-3-8B 8x32k step 229 -> 195 µs at 2 bits, 269 -> 255 at 4,
+      but 44.4 -> 46.1 µs at 16x2176: not yet the default
+      (benchmarks/results/gqa_tensor_core_sweep.md).
+    gqa_program_groups: key groups per program of the tensor-core score kernel (its loads
+      issued `prefetch` groups ahead).
     """
 
     score_rows: int = 16
@@ -166,6 +169,7 @@ class GpuTuning:
     tail_slots: int = 16
     num_stages: int = 2
     gqa_scores: str = "cuda_cores"
+    gqa_program_groups: int = 16
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -307,41 +311,6 @@ def _stack_fields(fields):
         half = len(fields) // 2
         fields = [jnp.stack([fields[i], fields[i + half]], axis=-1) for i in range(half)]
     return fields[0]
-
-
-def _pipelined_loop(n_tiles, depth: int, load, compute, carry, live, ring=None):
-    """carry = compute(k, load(k), carry) for k in [0, n_tiles), loads issued `depth` tiles ahead.
-
-    Each step first issues the load of tile k + depth, then computes tile k, so a load has
-    `depth` computations' time to arrive, in registers (Triton pipelines a loop's loads only
-    where they feed a dot or the loop is marked: `triton_stages`). With depth 0 the loop is
-    plain, compute(k, load(k), carry) in step k with no branch, for Triton's pipeliner.
-    Otherwise the computation sits in a branch on `live(k)` (true for every k < n_tiles, in a
-    form the compiler cannot fold): without a branch between them ptxas may move the loads below the
-    arithmetic, to the end of the loop body, where nothing overlaps their latency (it did in
-    the 2-bit MHA value kernel: docs/history.md, R2). The
-    body is unrolled `depth` times over a ring of tiles; the last round may run up to
-    depth - 1 tiles past n_tiles, and the loads of the last `depth` steps go past it too:
-    `load` must clamp such tiles into bounds, and `live` must be false for them or their
-    computation harmless. `ring`: the first `depth` tiles, where the caller issued their loads
-    earlier (to overlap them with other work).
-    """
-    if depth == 0:
-        return lax.fori_loop(0, n_tiles, lambda k, c: compute(k, load(k), c), carry)
-    ring = tuple(load(k) for k in range(depth)) if ring is None else ring
-
-    def body(i, state):
-        carry, ring = state
-        ring = list(ring)
-        for u in range(depth):
-            k = i * depth + u
-            ahead = load(k + depth)
-            carry = lax.cond(live(k), functools.partial(compute, k, ring[u]), lambda c: c, carry)
-            ring[u] = ahead
-        return carry, tuple(ring)
-
-    carry, _ = lax.fori_loop(0, pl.cdiv(n_tiles, depth), body, (carry, ring))
-    return carry
 
 
 def _field_mask(j: int, bits: int) -> int:
@@ -555,13 +524,13 @@ def _score_kernel(
             total = jnp.sum(acc, axis=2)  # [n1, GB]
             scale = (coef * 2.0 ** (-bits * j))[:, None]
             sc.append(total.astype(jnp.float32) * scale + bias[:, None])
-            m = jnp.maximum(m, jnp.where(valid, sc[j], _NEG_INIT))
+            m = jnp.maximum(m, jnp.where(valid, sc[j], loops.NEG_INIT))
         s_ref[pl.ds(first_group(k), n1)] = _stack_fields(sc)  # [n1, GB, 2, ..., 2]
         return m
 
-    m_init = jnp.full((n1, GB), _NEG_INIT, jnp.float32)  # reduced after the loop
+    m_init = jnp.full((n1, GB), loops.NEG_INIT, jnp.float32)  # reduced after the loop
     live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles, or a clamped tile (above)
-    m_ref[()] = jnp.max(_pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
+    m_ref[()] = jnp.max(loops.pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
 
 
 def _row_max(bm_ref, chunk: int):
@@ -571,12 +540,12 @@ def _row_max(bm_ref, chunk: int):
     P = bm_ref.shape[0]
     if P // chunk <= 4:
         parts = [bm_ref[pl.ds(i * chunk, chunk)] for i in range(P // chunk)]
-        return lambda: functools.reduce(jnp.maximum, [jnp.max(x) for x in parts], _NEG_INIT)
+        return lambda: functools.reduce(jnp.maximum, [jnp.max(x) for x in parts], loops.NEG_INIT)
     return lambda: lax.fori_loop(
         0,
         P // chunk,
         lambda i, m: jnp.maximum(m, jnp.max(bm_ref[pl.ds(i * chunk, chunk)])),
-        jnp.float32(_NEG_INIT),
+        jnp.float32(loops.NEG_INIT),
     )
 
 
@@ -626,8 +595,8 @@ def _tail_share(
         return m_new, o, l_sum * scale + jnp.sum(p)
 
     n_iter = pl.cdiv(n_chunks, splits)
-    carry = (jnp.float32(_NEG_INIT), jnp.zeros((D,), jnp.float32), jnp.float32(0.0))
-    return _pipelined_loop(n_iter, prefetch, load, compute, carry, lambda i: i < n_iter)
+    carry = (jnp.float32(loops.NEG_INIT), jnp.zeros((D,), jnp.float32), jnp.float32(0.0))
+    return loops.pipelined_loop(n_iter, prefetch, load, compute, carry, lambda i: i < n_iter)
 
 
 def _value_kernel(
@@ -757,7 +726,7 @@ def _value_kernel(
         jnp.zeros((quads,), jnp.float32),
     )
     live = lambda k: tile_start(k) < end  # k < n_tiles
-    acc, pz, ls = _pipelined_loop(n_tiles, prefetch, load, compute, carry, live, ring)
+    acc, pz, ls = loops.pipelined_loop(n_tiles, prefetch, load, compute, carry, live, ring)
     pz = jnp.sum(pz, axis=0)[:, None]  # [n_ch, 1]
     for r in range(4):
         for j in range(vpb):
@@ -990,7 +959,8 @@ def kivi_decode_attention_gpu(
     if n_rep > 1 and tuning.gqa_scores == "tensor_cores":
         scores, block_max = gqa_scores.gqa_key_scores(
             q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
-            residual_length=R, **common,
+            residual_length=R, program_groups=tuning.gqa_program_groups,
+            prefetch=tuning.prefetch, **common,
         )  # fmt: skip
     else:
         scores, block_max = key_scores(

@@ -34,7 +34,8 @@ Supported: group_size 32, head_dim a multiple of 16, n_rep <= 8, k_bits 2 or 4,
 bfloat16/float16 scales. Local SASS (Triton 3.6.0, sm_90a, no GPU; head_dim 128): 96 registers
 at 2 bits (80 at 4), no spills, 422 instructions (466) in the loop over a key group of 4096
 codes, 3.3 (3.6) per code for all the heads; the CUDA-core kernel's loop takes 2.0 (2.7) per
-code and head (`benchmarks/results/sass.md`). Not yet run on a GPU.
+code and head (`benchmarks/results/sass.md`). On the H200:
+`benchmarks/results/gqa_tensor_core_sweep.md`.
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from kivi_jax.pallas_kernels.decode_attention import loops
 
 GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks per group)
 MAX_HEADS = 8  # query heads per KV head: the mma's N
-_NEG_INIT = -1e30
 _MAGIC = 0x64006400  # 1024.0 in both f16 halves
 _F32 = jax.ShapeDtypeStruct((32,), jnp.float32)
 _I32 = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+
+def head_slots(n_rep: int) -> int:
+    """Head slots of the logits for n_rep query heads: the next power of two (at most the
+    mma's 8 columns; slot n_rep of 3 heads is written, unused)."""
+    return min(MAX_HEADS, 1 << (n_rep - 1).bit_length())
 
 
 def supported_reason(*, n_rep: int, group_size: int, head_dim: int, k_bits: int) -> str | None:
@@ -195,17 +202,19 @@ def _kernel(
     ks_ref,  # [C/G, D/2]        int32 key scales, channels 2i and 2i + 1 per word
     kz_ref,  # [C/G, D/2]        int32 key zero points, likewise
     kw_ref,  # [C/kpb, D/4]      int32 key words: token byte, channel quad
-    s_ref,  # out [8, C]         f32 logits, head slot h, token t
-    m_ref,  # out [8, 8]         f32 max of lane (g, t)'s logits of head slot 2t + e at [2t + e, g]
+    s_ref,  # out [slots, C]     f32 logits, head slot h, token t
+    m_ref,  # out [slots, 8]     f32 max of lane (g, t)'s logits of head slot 2t + e at [2t + e, g]
     *,
     n_rep: int,
     bits: int,
     residual_length: int,
     program_groups: int,
+    prefetch: int,
     q_scale: float,
     param_dtype,
     interpret: bool,
 ):
+    slots = s_ref.shape[0]
     D = q_ref.shape[1]
     G, kpb = GROUP_SIZE, 8 // bits
     GB = G // kpb  # token bytes per key group
@@ -222,21 +231,35 @@ def _kernel(
         jnp.full((32,), (((1 << bits) - 1) << (bits * f)) * 0x00010001, jnp.int32)
         for f in range(8 // bits)
     ]
+    # The lane's accumulator columns 2t, 2t + 1 are head slots; those past `slots` are
+    # computed (the mma's 8 columns) but not stored.
+    out_slot = [2 * t + e for e in (0, 1)]
+    stored = [x < slots for x in out_slot] if slots < MAX_HEADS else [None, None]
     length = len_ref[()]
     qk_groups = (length - length % residual_length) // G
     g0 = pl.program_id(2) * program_groups
     n_groups = jnp.clip(qk_groups - g0, 0, program_groups)
-    # row blocks of 16 tokens: (which token byte, token byte of row g, field of row g; row
-    # g + 8 has the next field); at 2 bits both blocks read the same token byte's words
-    if bits == 2:
-        blocks = [(0, g, 0), (0, g, 2)]
-    else:
-        blocks = [(0, g, 0), (1, 8 + g, 0)]
+    last_group = ks_ref.shape[0] - 1
+    # row blocks of 16 tokens: (which of the lane's token bytes, field of row g; row g + 8
+    # has the next field); at 2 bits both blocks read the same token byte's words
+    token_bytes = [g] if bits == 2 else [g, 8 + g]  # of row g, within the group
+    blocks = [(0, 0), (0, 2)] if bits == 2 else [(0, 0), (1, 0)]
+    columns = [(c, k) for c in range(D // 16) for k in range(2)]  # k: channels 2t, 2t + 8
 
-    def group(i, maxima):
+    def load(i):
+        """Group g0 + i's scale and zero-point pairs and key words of this lane (a group past
+        the capacity clamped into it: loaded, not used)."""
+        gi = jnp.minimum(g0 + i, last_group)
+        words = [
+            kw_ref[gi * GB + tb, 4 * c + 2 * k + t // 2] for tb in token_bytes for c, k in columns
+        ]
+        return [ks_ref[gi, w] for w in pairs], [kz_ref[gi, w] for w in pairs], words
+
+    def compute(i, tile, maxima):
         gi = g0 + i
-        s = [v for w in pairs for v in _pair(ks_ref[gi, w], param_dtype)]
-        z = [v for w in pairs for v in _pair(kz_ref[gi, w], param_dtype)]
+        ks, kz, words = tile
+        s = [v for w in ks for v in _pair(w, param_dtype)]
+        z = [v for w in kz for v in _pair(w, param_dtype)]
         b = [
             pack_f16x2(q[k] * s[k], q[k + 1] * s[k + 1], interpret=interpret)
             for k in range(0, len(q), 2)
@@ -245,44 +268,43 @@ def _kernel(
         bias = bias + shfl_xor(bias, 1, interpret=interpret)
         bias = bias + shfl_xor(bias, 2, interpret=interpret)  # head g's sum_d q_d z_gd
         bias = [shfl_idx(bias, 8 * t + 4 * e, interpret=interpret) for e in (0, 1)]  # 2t + e
-        words = {}  # key words by (token byte, word): the two row blocks share them at 2 bits
+        zero = jnp.zeros_like(words[0])
+        halves = [prmt(x, zero, selector, interpret=interpret) for x in words]
         maxima = list(maxima)
-        for tb_key, tb, j in blocks:
+        for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
+            row_words = halves[len(columns) * n :]
             acc = [jnp.zeros((32,), jnp.float32)] * 4
             for c in range(D // 16):
-                for k, w in enumerate((4 * c + t // 2, 4 * c + 2 + t // 2)):  # k 2t, 2t + 8
-                    if (tb_key, c, k) not in words:
-                        x = kw_ref[gi * GB + tb, w]
-                        y = prmt(x, jnp.zeros_like(x), selector, interpret=interpret)
-                        words[tb_key, c, k] = y
-                halves = [words[tb_key, c, k] for k in (0, 1)]
                 a = [
                     sub_f16x2(and_or(y, m, magic, interpret=interpret), magic, interpret=interpret)
-                    for y in halves
+                    for y in row_words[2 * c : 2 * c + 2]
                     for m in masks
                 ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
                 acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
             for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
                 score = acc[r] * 2.0 ** (-bits * field) + bias[e]
-                s_ref[2 * t + e, gi * G + kpb * tb + field] = score  # every lane its own slots
+                token = gi * G + kpb * token_bytes[n] + field
+                plgpu.store(s_ref.at[out_slot[e], token], score, mask=stored[e])
                 maxima[e] = jnp.maximum(maxima[e], score)
         return tuple(maxima)
 
-    init = jnp.full((32,), _NEG_INIT, jnp.float32)
-    maxima = lax.fori_loop(0, n_groups, group, (init, init))
+    init = jnp.full((32,), loops.NEG_INIT, jnp.float32)
+    live = lambda i: i < n_groups
+    maxima = loops.pipelined_loop(n_groups, prefetch, load, compute, (init, init), live)
     for e in (0, 1):
-        m_ref[2 * t + e, g] = maxima[e]
+        plgpu.store(m_ref.at[out_slot[e], g], maxima[e], mask=stored[e])
 
 
 def gqa_key_scores(
     q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size, residual_length,
-    interpret, program_groups: int = 16,
+    program_groups, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
-    [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, 8, C] (head
-    slots; those below n_rep defined for t < Qk) and maxima [B, H, 8, 8 P] (P programs of
-    `program_groups` key groups per row; -1e30 where a lane held no logit)."""
+    [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, slots, C] (head
+    slots, `head_slots(n_rep)`; those below n_rep defined for t < Qk) and maxima
+    [B, H, slots, 8 P] (P programs of `program_groups` key groups per row, their loads issued
+    `prefetch` groups ahead; -1e30 where a lane held no logit)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
@@ -291,6 +313,7 @@ def gqa_key_scores(
     C = k_codes.shape[2] * kpb
     G = group_size
     P = pl.cdiv(C // G, program_groups)
+    slots = head_slots(n_rep)
     words = lax.bitcast_convert_type(k_codes.reshape(B, H, C // kpb, D // 4, 4), jnp.int32)
     pairs = lambda x: lax.bitcast_convert_type(x.reshape(B, H, C // G, D // 2, 2), jnp.int32)
     whole = lambda b, h, p: (b, h, 0, 0)
@@ -301,6 +324,7 @@ def gqa_key_scores(
             bits=bits,
             residual_length=residual_length,
             program_groups=program_groups,
+            prefetch=prefetch,
             q_scale=q_scale,
             param_dtype=k_scale.dtype,
             interpret=interpret,
@@ -314,12 +338,12 @@ def gqa_key_scores(
             pl.BlockSpec((None, None, C // kpb, D // 4), whole),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, MAX_HEADS, C), whole),
-            pl.BlockSpec((None, None, MAX_HEADS, 8), lambda b, h, p: (b, h, 0, p)),
+            pl.BlockSpec((None, None, slots, C), whole),
+            pl.BlockSpec((None, None, slots, 8), lambda b, h, p: (b, h, 0, p)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, MAX_HEADS, C), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, MAX_HEADS, 8 * P), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, slots, C), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, slots, 8 * P), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,

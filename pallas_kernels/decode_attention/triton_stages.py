@@ -4,7 +4,7 @@ Triton pipelines a loop's loads (`cp.async` copies into shared memory, issued st
 iterations ahead, holding no registers while in flight) where they feed a dot, and in loops
 without a dot only where the loop carries a ``tt.num_stages`` attribute (Triton's
 ``AssignLatencies`` pass). Pallas-Triton sets no such attribute, so the kernels' own loops
-would keep their tiles in flight in registers (``gpu._pipelined_loop``). Here a kernel whose
+would keep their tiles in flight in registers (``loops.pipelined_loop``). Here a kernel whose
 name ends in ``_stagesN`` (`staged_name`) gets ``tt.num_stages = N`` on every ``scf.for`` of
 its Triton module: `install` wraps Pallas-Triton's lowering,
 ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`` (the same function in jax
