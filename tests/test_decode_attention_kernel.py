@@ -543,6 +543,7 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"value_quads": 0}, "value_quads must be a positive int"),
         ({"tail_slots": 0}, "tail_slots must be a positive int"),
         ({"gqa_scores": "mma"}, "gqa_scores must be 'cuda_cores' or 'tensor_cores'"),
+        ({"gqa_program_groups": 0}, "gqa_program_groups must be a positive int"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):

@@ -112,7 +112,7 @@ class GpuTuning:
       is the largest weight among those 4 * value_chain tokens); at most 64 (the chained int32
       sums would overflow).
     prefetch: tiles whose loads are issued ahead of the one being computed, held in registers
-      (the value kernel, and the score kernel at 1 stage).
+      (the value kernel, the score kernel at 1 stage, and the tensor-core score kernel).
     score_stages: software-pipeline stages of the score kernel's loop (> 1): Triton issues the
       loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
       (cp.async: no registers held while they are in flight; `triton_stages`, a private jax
@@ -809,7 +809,8 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     """The value kernel: S token splits per row, each a partial softmax over its quantized
     values and its share of the residual tail against its own max (`_value_kernel`).
     q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, P] (`key_scores`,
-    slots = n_rep; or `gqa_key_scores`, 8 head slots of which the first n_rep are read in place),
+    slots = n_rep; or `gqa_key_scores`, `gqa_scores.head_slots(n_rep)` slots of which the first
+    n_rep are read in place),
     k_residual / v_residual [B, H, R, D] -> per split its max logit m [B, H, n_rep, S], the
     sums of 2**(s_t - m) v_t over its quantized values [B, H, n_rep, S, D] and over its tail
     share [B, H, n_rep, S, D], and the sum of 2**(s_t - m) over both [B, H, n_rep, S]. One

@@ -25,16 +25,16 @@ that made a `pl.dot` kernel slow: docs/history.md, G1). The mma, PRMT, f16 packi
 shuffles are inline PTX; in interpret mode each has a jnp twin that computes the warp's
 result on the 32 lanes, so the CPU tests check the fragment bookkeeping exactly.
 
-Outputs as `gpu.key_scores`, but with 8 head slots (each lane writes its own, no masked
-stores): logits [B, H, 8, C] (base 2, of q * q_scale; defined for t < Qk, heads < n_rep) and
-each lane's maximum, 8 per head and program [B, H, 8, 8 P]; the value kernel reads the first
-n_rep slots in place (`gpu.weighted_values`).
+Outputs as `gpu.key_scores`, but with `head_slots(n_rep)` head slots (lanes whose
+accumulator columns lie past them store nothing: masked stores): logits [B, H, slots, C]
+(base 2, of q * q_scale; defined for t < Qk, heads < n_rep) and each lane's maximum, 8 per
+head and program [B, H, slots, 8 P]; the value kernel reads the first n_rep slots in place
+(`gpu.weighted_values`). Each program's loop issues the loads of the key group `prefetch`
+groups ahead of the one it computes (`loops.pipelined_loop`): without it the kernel was
+latency-bound (docs/history.md, G8).
 
 Supported: group_size 32, head_dim a multiple of 16, n_rep <= 8, k_bits 2 or 4,
-bfloat16/float16 scales. Local SASS (Triton 3.6.0, sm_90a, no GPU; head_dim 128): 96 registers
-at 2 bits (80 at 4), no spills, 422 instructions (466) in the loop over a key group of 4096
-codes, 3.3 (3.6) per code for all the heads; the CUDA-core kernel's loop takes 2.0 (2.7) per
-code and head (`benchmarks/results/sass.md`). On the H200:
+bfloat16/float16 scales. Local SASS: `benchmarks/results/sass.md`; on the H200:
 `benchmarks/results/gqa_tensor_core_sweep.md`.
 """
 
