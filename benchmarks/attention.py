@@ -1,6 +1,7 @@
 """Decode-attention benchmark on one GPU: the fused KIVI kernel against the best bf16 baselines.
 
-One process, one GPU. For each shape (heads of Llama-2-7B and Llama-3-8B; batch x context) it
+One process, one GPU. For each shape (heads of Llama-2-7B, Llama-3-8B and Llama-3-70B; batch x
+context) it
 times KIVI-2 and KIVI-4 (the Pallas-Triton kernel, split merge included) and two bf16 baselines
 over the same context: cuDNN through ``jax.nn.dot_product_attention(implementation="cudnn")``
 and a plain XLA einsum. Every timing runs ``calls`` decode steps on different queries (and,
@@ -69,7 +70,11 @@ class Shape:
         return f"{self.model} {self.batch}x{t}"
 
 
-MODELS = {"Llama-2-7B": (32, 32, 128), "Llama-3-8B": (32, 8, 128)}
+MODELS = {
+    "Llama-2-7B": (32, 32, 128),
+    "Llama-3-8B": (32, 8, 128),
+    "Llama-3-70B": (64, 8, 128),
+}
 BATCH_CONTEXT = [(1, 32768), (8, 32768), (32, 8192), (64, 4096), (1, 131072)]
 SHAPES = [
     Shape(model=m, q_heads=hq, kv_heads=hk, head_dim=d, batch=b, context=t)
@@ -489,7 +494,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "1 for 4-bit ones; `value_quads` None: 16 for 2-bit values, 8 for 4-bit ones; "
         "`score_stages` None: 3 for MHA (1 for 2-bit keys in one wave of programs), 1 for "
         "GQA; `GpuTuning.key_slices`, `GpuTuning.quads`, "
-        "`GpuTuning.key_stages`)",
+        "`GpuTuning.key_stages`; with GQA `gqa_scores`, `gqa_values` 'tensor_cores': the "
+        "tensor-core kernels, `gqa_scores.py`, `gqa_values.py`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
         "| speed-up vs best bf16 | (host) |",
@@ -559,7 +565,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    for model, color in zip(MODELS, ("tab:blue", "tab:orange"), strict=False):
+    for model, color in zip(MODELS, ("tab:blue", "tab:orange", "tab:green"), strict=True):
         for bits, marker in ((2, "o"), (4, "s")):
             pts = [
                 (r["context"], r["methods"][f"kivi{bits}"]["speedup"], r["batch"])

@@ -33,17 +33,17 @@ from kivi_jax.pallas_kernels.decode_attention import (
     kivi_decode_attention_gpu,
     triton_stages,
 )
-from kivi_jax.pallas_kernels.decode_attention.gpu import score_tiles, value_tiles
+from kivi_jax.pallas_kernels.decode_attention.gpu import _pow2_divisor, score_tiles, value_tiles
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
-    # register prefetch), both timed on the H200; the tensor-core GQA score kernel at
-    # Llama-3-8B's 4 query heads per KV head (not yet run on a GPU)
+    # register prefetch), both timed on the H200, with MHA; the default with GQA (the
+    # tensor-core kernels) at Llama-3-8B's 4 query heads per KV head
     (GpuTuning(), 2, 1),
     (GpuTuning(), 4, 1),
     (GpuTuning(score_stages=1), 2, 1),
     (GpuTuning(score_stages=1), 4, 1),
-    (GpuTuning(gqa_scores="tensor_cores"), 2, 4),
-    (GpuTuning(gqa_scores="tensor_cores"), 4, 4),
+    (GpuTuning(), 2, 4),
+    (GpuTuning(), 4, 4),
 ]
 
 
@@ -91,8 +91,9 @@ def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G
 
 def hot_loop(sass: str) -> list[str]:
     """The instructions (predicates stripped) of the main loop in cuobjdump output: of the
-    loops (backward branches), the one with the most integer dot products (IDP; the value
-    kernel's loop over its tail share comes first and has none)."""
+    loops (backward branches), the one with the most integer dot products or tensor-core
+    mma (IDP, HMMA; the value kernels' loops over their tail share come first and have
+    none)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
@@ -106,7 +107,7 @@ def hot_loop(sass: str) -> list[str]:
             loops.append([re.sub(r"^@!?U?P\w+\s+", "", t) for a, t in ins if start <= a <= addr])
     if not loops:
         raise ValueError("no loop found")
-    return max(loops, key=lambda loop: (sum(opcode(t) == "IDP" for t in loop), len(loop)))
+    return max(loops, key=lambda loop: (sum(opcode(t) in ("IDP", "HMMA") for t in loop), len(loop)))
 
 
 def opcode(instruction: str) -> str:
@@ -159,19 +160,27 @@ def analyse(
     # program serves one query head
     stages = tuning.key_stages(n_rep, k_bits=bits, programs=programs)
     score_tiles_per_iter = tuning.prefetch if stages == 1 else 1
-    tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
-    per_thread = {  # the tensor-core score kernel: one key group per iteration, n_rep heads
+    # the tensor-core kernels (GQA, G = 32): one warp serves the n_rep heads, a key group or
+    # `gqa_value_blocks` blocks of 16 tokens per iteration
+    tc_scores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
+    tc_values = n_rep > 1 and tuning.gqa_values == "tensor_cores"
+    blocks = _pow2_divisor(C // 16, tuning.gqa_value_blocks)
+    per_thread = {
         "score": G * D / 32 * n_rep
-        if tensor_cores
+        if tc_scores
         else groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
-        "value": 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
+        "value": 16 * blocks * D / 32 * n_rep * tuning.prefetch
+        if tc_values
+        else 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
     }
-    warps = {"score": tuning.score_warps, "value": tuning.value_warps}
+    warps = {"score": 1 if tc_scores else tuning.score_warps,
+             "value": 1 if tc_values else tuning.value_warps}  # fmt: skip
     out = []
     modules = triton_ir(tuning, n_rep=n_rep, bits=bits, D=D, C=C, G=G)
     for name in ("score", "value"):
         ttir = modules[name]
-        info, sass = compile_sass(ttir, warps[name], tuning.num_stages, workdir)
+        num_stages = 1 if (tc_scores, tc_values)[name == "value"] else tuning.num_stages
+        info, sass = compile_sass(ttir, warps[name], num_stages, workdir)
         spill = re.search(r"(\d+) bytes spill stores", info)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(t) for t in loop)
@@ -221,9 +230,9 @@ def main(argv=None):
         "Built by benchmarks/kernel_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
         "per code = loop instructions / codes one thread handles per loop iteration (score and",
         "value programs serve one query head each, so n_rep does not change their loops); for",
-        "the tensor-core GQA score kernel (`gqa_scores`), whose warp scores the n_rep query heads",
-        "of a KV head at once, per code and query head: loop instructions / (its lane's 128",
-        "codes of a key group x n_rep).",
+        "the tensor-core GQA kernels (`gqa_scores`, `gqa_values`: the default with n_rep > 1),",
+        "whose warp serves the n_rep query heads of a KV head at once, per code and query head:",
+        "loop instructions / (its lane's codes per iteration x n_rep).",
         "",
         "LDG span: where the loop's global loads sit (first and last, % of the loop body; the",
         "loads of the next tiles should come before the arithmetic). STS: shared-memory stores",

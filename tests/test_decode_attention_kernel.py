@@ -325,29 +325,36 @@ def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R
 # CPU (interpret) grid: each case covers several axes at once (pairwise), a few seconds apiece.
 # Final lengths (prompt + 5 steps: 32, 305, 69, 185) are shorter than R, not multiples of G or
 # of the block, past key flushes and value-ring wraps; test_length_zero_row covers l = 0.
-# The last four: the tensor-core GQA score kernel (`gqa_scores.py`) in the whole step.
+# With GQA the default runs the tensor-core kernels (`gqa_scores.py`, `gqa_values.py`); these
+# fields choose the CUDA-core ones for both (CC), the values (SC: tensor-core scores only) or
+# the scores (VC: tensor-core values only).
+CC = {"gqa_scores": "cuda_cores", "gqa_values": "cuda_cores"}
+SC = {"gqa_values": "cuda_cores"}
+VC = {"gqa_scores": "cuda_cores"}
 _CPU_CASES = [
-    # k_bits, v_bits, D, n_rep, dtype, GpuTuning.gqa_scores
-    (2, 2, 128, 4, jnp.bfloat16, "cuda_cores"),
-    (4, 4, 64, 1, jnp.float16, "cuda_cores"),
-    (2, 4, 64, 3, jnp.bfloat16, "cuda_cores"),
-    (4, 2, 128, 8, jnp.float16, "cuda_cores"),
-    (2, 2, 64, 1, jnp.float16, "cuda_cores"),
-    (4, 4, 128, 3, jnp.bfloat16, "cuda_cores"),
-    (2, 2, 128, 4, jnp.bfloat16, "tensor_cores"),
-    (4, 2, 64, 3, jnp.float16, "tensor_cores"),
-    (2, 4, 64, 8, jnp.bfloat16, "tensor_cores"),
-    (4, 4, 128, 2, jnp.float16, "tensor_cores"),
+    # k_bits, v_bits, D, n_rep, dtype, GpuTuning fields
+    (2, 2, 128, 4, jnp.bfloat16, CC),
+    (4, 4, 64, 1, jnp.float16, {}),
+    (2, 4, 64, 3, jnp.bfloat16, CC),
+    (4, 2, 128, 8, jnp.float16, CC),
+    (2, 2, 64, 1, jnp.float16, {}),
+    (4, 4, 128, 3, jnp.bfloat16, CC),
+    (2, 2, 128, 4, jnp.bfloat16, {}),
+    (4, 2, 64, 3, jnp.float16, SC),
+    (2, 4, 64, 8, jnp.bfloat16, {}),
+    (4, 4, 128, 2, jnp.float16, SC),
+    (4, 2, 64, 3, jnp.bfloat16, VC),
+    (2, 4, 128, 2, jnp.float16, {}),
 ]
 
 
-@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype", "gqa_scores"), _CPU_CASES)
-def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype, gqa_scores):
+@pytest.mark.parametrize(("k_bits", "v_bits", "D", "n_rep", "dtype", "fields"), _CPU_CASES)
+def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype, fields):
     q, cache = _case(
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=2, max_len=400,
         prompts=[27, 300, 64, 180], steps=5, R=64,
     )  # fmt: skip
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3, gqa_scores=gqa_scores))
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3, **fields))
 
 
 def test_length_zero_row_interpret(rng):
@@ -357,7 +364,24 @@ def test_length_zero_row_interpret(rng):
         dtype=jnp.bfloat16,
     )  # fmt: skip
     q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.bfloat16)
-    _check(q, cache, interpret=True, tuning=GpuTuning(score_rows=8, num_splits=3))
+    _check(q, cache, interpret=True, tuning=GpuTuning(score_rows=8, num_splits=3, **CC))
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3))
+
+
+def test_gqa_falls_back_to_cuda_cores_where_tensor_cores_do_not_apply_interpret(rng):
+    """G = 64: the tensor-core kernels take G = 32 only, so the default runs the CUDA-core
+    ones (with GQA, n_rep 2)."""
+    from kivi_jax.pallas_kernels.decode_attention import gqa_scores, gqa_values
+
+    assert gqa_scores.supported_reason(n_rep=2, group_size=64, head_dim=64, k_bits=2)
+    assert gqa_values.supported_reason(n_rep=2, group_size=64, head_dim=64, v_bits=2)
+    cfg = kivi_jax.KiviConfig(k_bits=2, v_bits=2, group_size=64, residual_length=64)
+    cache = streamed_cache(
+        rng, config=cfg, H=2, D=64, max_len=256, prompts=[130, 200], steps=3,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.bfloat16)
+    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
 
 
 def test_residual_length_not_a_power_of_two_interpret(rng):
@@ -504,8 +528,8 @@ def test_score_loop_carries_its_pipeline_stages(monkeypatch, score_stages, n_rep
     """Triton pipelines a loop without a dot only where it carries tt.num_stages: the score
     kernel's one loop gets score_stages (left None: 3 for MHA, 1 for GQA; at 1 it keeps the
     register prefetch, unmarked); the value kernel's two loops (its tail share's and its main
-    loop) are never marked."""
-    tuning = GpuTuning(score_stages=score_stages)
+    loop) are never marked. (The CUDA-core kernels, also with GQA.)"""
+    tuning = GpuTuning(score_stages=score_stages, **CC)
     modules = _lowered_triton_modules(monkeypatch, tuning, n_rep)
     score = modules["kivi_scores" if stages == 1 else f"kivi_scores_stages{stages}"]
     assert score.count("scf.for") == 1
@@ -544,6 +568,8 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"tail_slots": 0}, "tail_slots must be a positive int"),
         ({"gqa_scores": "mma"}, "gqa_scores must be 'cuda_cores' or 'tensor_cores'"),
         ({"gqa_program_groups": 0}, "gqa_program_groups must be a positive int"),
+        ({"gqa_values": True}, "gqa_values must be 'cuda_cores' or 'tensor_cores'"),
+        ({"gqa_value_blocks": 0}, "gqa_value_blocks must be a positive int"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):
@@ -582,9 +608,13 @@ def test_unsupported_configs_are_named():
     assert "group_size=8" in supported_config_reason(**{**ok, "group_size": 8})
 
 
-_GPU_GRID = [  # the CUDA-core score kernel at n_rep 1, 3, 4, 8; the tensor-core one (GQA) too
-    (bits, D, n_rep, dtype, scores)
-    for scores, reps in (("cuda_cores", [1, 3, 4, 8]), ("tensor_cores", [2, 3, 4, 8]))
+_GPU_GRID = [  # the CUDA-core kernels at n_rep 1, 3, 4, 8; the tensor-core ones (GQA) too
+    (bits, D, n_rep, dtype, name)
+    for name, reps in (
+        ("cuda_cores", [1, 3, 4, 8]),
+        ("tensor_scores", [2, 3, 4, 8]),
+        ("tensor_both", [2, 3, 4, 8]),
+    )
     for bits, D, n_rep, dtype in itertools.product(
         [(2, 2), (4, 4), (2, 4), (4, 2)], [64, 128], reps, [jnp.bfloat16, jnp.float16]
     )
@@ -592,8 +622,8 @@ _GPU_GRID = [  # the CUDA-core score kernel at n_rep 1, 3, 4, 8; the tensor-core
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype", "gqa_scores"), _GPU_GRID)
-def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, gqa_scores):
+@pytest.mark.parametrize(("bits", "D", "n_rep", "dtype", "kernels"), _GPU_GRID)
+def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, kernels):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     k_bits, v_bits = bits
@@ -601,7 +631,12 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, gqa_scores):
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=4, max_len=2100,
         prompts=[0, 1, 95, 1280, 2040, 1400], steps=7, R=128,
     )  # fmt: skip
-    _check(q, cache, interpret=False, tuning=GpuTuning(gqa_scores=gqa_scores))
+    _check(
+        q,
+        cache,
+        interpret=False,
+        tuning=GpuTuning(**{"cuda_cores": CC, "tensor_scores": SC}.get(kernels, {})),
+    )
 
 
 @pytest.mark.gpu

@@ -56,10 +56,11 @@ bfloat16 or float16 queries (``supported_config_reason`` names what is not).
 
 Measured on an H200 (docs/performance.md, GPU time): 3.93x faster than cuDNN bf16 attention
 at Llama-2-7B heads, 8 x 32k tokens (KIVI-4 2.68x; 245.6 and 360.7 µs a step against 965.6).
-With GQA every query head has its own score and value programs, which read the KV head's
-words in turn (through L2): at Llama-3-8B heads (4 query heads per KV head), 8 x 32k, the
-kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed (`gqa_scores.py` scores all the
-query heads of a KV head at once on tensor cores: `GpuTuning.gqa_scores`). The kernels read
+With GQA every query head has its own score and value programs here, which read the KV
+head's words in turn (through L2): at Llama-3-8B heads (4 query heads per KV head), 8 x 32k,
+these kernels run 0.91x (KIVI-4) and 1.08x (KIVI-2) cuDNN's speed. So with GQA the default is
+a tensor-core pair where it supports the configuration (`gqa_scores.py`, `gqa_values.py`: one
+warp per KV head serves all its query heads; `GpuTuning.gqa_scores`, `gqa_values`). The kernels read
 one layer's arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode
 step hands them over without a copy.
 """
@@ -75,7 +76,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import gqa_scores, loops, state, triton_stages
+from kivi_jax.pallas_kernels.decode_attention import (
+    gqa_scores,
+    gqa_values,
+    loops,
+    residual,
+    state,
+    triton_stages,
+)
 
 _LOG2E = math.log2(math.e)
 # Value sums chained over a tile: 254 S_hi + S_lo <= chain * 4 * 255 * 127 * 255 < 2**31.
@@ -142,14 +150,24 @@ class GpuTuning:
       token splits in turn).
     num_stages: Triton's num_stages for both kernels (their loops are pipelined only where
       `score_stages` marks them).
-    gqa_scores: the score kernel with GQA (n_rep > 1): "cuda_cores" (`key_scores`, one
-      program per query head) or "tensor_cores" (`gqa_scores.gqa_key_scores`: one warp per
-      KV head scores its <= 8 query heads with mma.sync; G = 32 only). On the H200 (96 GPU
-      tests passed) it runs the Llama-3-8B 8x32k step 229 -> 195 µs at 2 bits, 269 -> 255 at 4,
-      but 44.4 -> 46.1 µs at 16x2176: not yet the default
-      (benchmarks/results/gqa_tensor_core_sweep.md).
+    gqa_scores: the score kernel with GQA (n_rep > 1): "tensor_cores"
+      (`gqa_scores.gqa_key_scores`: one warp per KV head scores its <= 8 query heads with
+      mma.sync) where it supports the configuration (`gqa_scores.supported_reason`: G = 32,
+      n_rep <= 8), else, or if "cuda_cores", `key_scores` (one program per query head).
     gqa_program_groups: key groups per program of the tensor-core score kernel (its loads
       issued `prefetch` groups ahead).
+    gqa_values: the value kernel with GQA, likewise: "tensor_cores"
+      (`gqa_values.gqa_weighted_values`: one warp per KV head and token split sums the
+      values of its <= 8 query heads with mma.sync; `num_splits` and `target_programs` then
+      count splits of a KV head's row) where `gqa_values.supported_reason` allows, else, or
+      if "cuda_cores", `_value_kernel` (one program per query head). With both on tensor
+      cores the Llama-3-8B-head step on the H200 ran 229.6 -> 145.0 µs at 8 x 32k, 2 bits,
+      and 269.8 -> 188.7 at 4 bits, but 42.3 -> 48.1 at 1 x 32k
+      (benchmarks/results/gqa_tensor_core_values.md).
+    gqa_value_blocks: blocks of 16 tokens per iteration of the tensor-core value kernel
+      (a power of two dividing the capacity's blocks, at most this).
+    gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
+      all n_rep heads (each chunk's residual keys and values held in registers once).
     """
 
     score_rows: int = 16
@@ -168,18 +186,21 @@ class GpuTuning:
     one_wave: int = 32 * 128
     tail_slots: int = 16
     num_stages: int = 2
-    gqa_scores: str = "cuda_cores"
+    gqa_scores: str = "tensor_cores"
     gqa_program_groups: int = 16
+    gqa_values: str = "tensor_cores"
+    gqa_value_blocks: int = 2
+    gqa_tail_slots: int = 4
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in _NONE_MEANS_DEFAULT:
                 continue
-            if f.name == "gqa_scores":
+            if f.name in ("gqa_scores", "gqa_values"):
                 if v not in ("cuda_cores", "tensor_cores"):
                     raise ValueError(
-                        f"GpuTuning.gqa_scores must be 'cuda_cores' or 'tensor_cores', got {v!r}"
+                        f"GpuTuning.{f.name} must be 'cuda_cores' or 'tensor_cores', got {v!r}"
                     )
                 continue
             if f.name == "value_interleave":
@@ -533,72 +554,6 @@ def _score_kernel(
     m_ref[()] = jnp.max(loops.pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
 
 
-def _row_max(bm_ref, chunk: int):
-    """Max of a row's score-program maxima bm_ref [P], read `chunk` (a power of two dividing
-    P) at a time; -1e30 where the row has no quantized keys. Returns a function that computes
-    it from the loads issued here (all of them, where there are at most 4 chunks)."""
-    P = bm_ref.shape[0]
-    if P // chunk <= 4:
-        parts = [bm_ref[pl.ds(i * chunk, chunk)] for i in range(P // chunk)]
-        return lambda: functools.reduce(jnp.maximum, [jnp.max(x) for x in parts], loops.NEG_INIT)
-    return lambda: lax.fori_loop(
-        0,
-        P // chunk,
-        lambda i, m: jnp.maximum(m, jnp.max(bm_ref[pl.ds(i * chunk, chunk)])),
-        jnp.float32(loops.NEG_INIT),
-    )
-
-
-def _tail_share(
-    length, q_ref, kr_ref, vr_ref, st_ref, *, split, splits, slots, q_scale, prefetch
-):  # fmt: skip
-    """A value-kernel program's share of the residual tail, the R tokens [Pv, Pv + R) at ring
-    slots t % R: chunks c = split, split + splits, ... (c < R / slots) of `slots` slots each.
-    Their logits (from the score kernel where t < Qk, else q . k_residual), with an online
-    softmax -> (m, sum 2**(s_t - m) v_t [D], sum 2**(s_t - m)), m their max (-1e30 if none).
-    q_ref [D], kr_ref / vr_ref [R, D] (the residual keys and values), st_ref [C] (logits)."""
-    R, D = kr_ref.shape
-    C = st_ref.shape[0]
-    n_chunks = R // slots
-    qk, pv = length - length % R, jnp.maximum(length - R, 0)
-    rot = pv % R  # the slot of token pv
-    q = q_ref[...].astype(jnp.float32)[None, :] * q_scale  # [1, D]
-
-    def chunk(i):
-        return jnp.minimum(split + i * splits, n_chunks - 1)  # past the last: masked below
-
-    def tokens(i):
-        """(token at each slot of chunk i, whether this program holds it) [slots]."""
-        slot = chunk(i) * slots + lax.broadcasted_iota(jnp.int32, (slots,), 0)
-        tok = pv - rot + slot + jnp.where(slot < rot, R, 0)  # pv + (slot - pv) mod R
-        return tok, (tok < length) & (split + i * splits < n_chunks)
-
-    def load(i):
-        """Chunk i's residual keys and values [slots, D]: a key only where the score kernel
-        has none (t >= Qk), a value only where it is held (masked loads read no bytes)."""
-        c = pl.ds(chunk(i) * slots, slots)
-        tok, held = tokens(i)
-        k = plgpu.load(kr_ref.at[c, :], mask=(held & (tok >= qk))[:, None], other=0.0)
-        return k, plgpu.load(vr_ref.at[c, :], mask=held[:, None], other=0.0)
-
-    def compute(i, tile, carry):
-        m, o, l_sum = carry
-        k, v = tile
-        tok, held = tokens(i)
-        s_res = jnp.sum(k.astype(jnp.float32) * q, axis=1)  # [slots]
-        s_quant = st_ref[jnp.minimum(tok, C - 1)]
-        logits = jnp.where(held, jnp.where(tok < qk, s_quant, s_res), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits))  # finite: m starts at -1e30
-        p = jnp.exp2(logits - m_new)  # 0 where the logit is -inf
-        scale = jnp.exp2(m - m_new)
-        o = o * scale + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
-        return m_new, o, l_sum * scale + jnp.sum(p)
-
-    n_iter = pl.cdiv(n_chunks, splits)
-    carry = (jnp.float32(loops.NEG_INIT), jnp.zeros((D,), jnp.float32), jnp.float32(0.0))
-    return loops.pipelined_loop(n_iter, prefetch, load, compute, carry, lambda i: i < n_iter)
-
-
 def _value_kernel(
     len_ref,  # []                         int32
     bm_ref,  # [P]                         f32 max of each score program of the row
@@ -630,12 +585,12 @@ def _value_kernel(
     prefetch: int,
     interpret: bool,
 ):
-    """One token split of a row: its share of the residual tail (`_tail_share`), then the
+    """One token split of a row: its share of the residual tail (`residual.tail_share`), then the
     split's tiles of quantized values within [0, Pv), both against one max m: the larger of
     the tail share's max and the row's max over its quantized keys (which cover every
     quantized value: Pv <= Qk). The tail costs no kernel of its own and no program waits for
     another; XLA merges the splits' partial softmaxes. The loads of the first value tiles and
-    (where a row has at most 4 chunks of them, `_row_max`) of the score programs' maxima are
+    (where a row has at most 4 chunks of them, `residual.row_max`) of the score programs' maxima are
     issued before the tail share, so that their latencies overlap its own."""
     C4, _, n_ch, wpg = vw_ref.shape
     vpb = 8 // bits
@@ -673,10 +628,12 @@ def _value_kernel(
     # The first value tiles and the row's maxima are loaded while the tail share is computed
     # (against its own max, rescaled to m after).
     ring = tuple(load(k) for k in range(prefetch))
-    row_max = _row_max(bm_ref, max_chunk)
-    m_tail, o_tail, l_tail = _tail_share(
-        length, q_ref, kr_ref, vr_ref, st_ref, split=split, splits=splits, slots=tail_slots,
-        q_scale=q_scale, prefetch=prefetch,
+    row_max = residual.row_max(lambda ds: bm_ref[ds], bm_ref.shape[0], max_chunk)
+    q = q_ref[...].astype(jnp.float32)[None, :] * q_scale  # [1, D]
+    C = st_ref.shape[0]
+    [(m_tail, o_tail, l_tail)] = residual.tail_share(
+        length, [q], kr_ref, vr_ref, lambda h, tok: st_ref[jnp.minimum(tok, C - 1)],
+        split=split, splits=splits, slots=tail_slots, prefetch=prefetch,
     )  # fmt: skip
     m = jnp.maximum(row_max(), m_tail)
     ot_ref[...] = o_tail * jnp.exp2(m_tail - m)
@@ -803,6 +760,21 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
 
 
+def _splits(tuning: GpuTuning, *, n_steps: int, rows: int) -> tuple[int, int]:
+    """(token splits per row, tiles per split) of a value kernel with n_steps tiles per row
+    and `rows` rows: `num_splits`, or the largest power of two at or below
+    ceil(target_programs / rows) (at 8 x 32k, 256 rows, 5 splits ran the value kernel 14%
+    slower than 4 or 8, the step 6%: docs/history.md, R5); at most n_steps, and no split
+    left without tiles."""
+    if tuning.num_splits is not None:
+        S = max(1, min(tuning.num_splits, n_steps))
+    else:
+        cap = max(1, min(n_steps, pl.cdiv(tuning.target_programs, rows)))
+        S = 1 << (cap.bit_length() - 1)
+    per_split = pl.cdiv(n_steps, S)
+    return pl.cdiv(n_steps, per_split), per_split
+
+
 def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual,
                     lengths, *, q_scale, bits, group_size, residual_length, tuning,
                     interpret):  # fmt: skip
@@ -814,39 +786,47 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     k_residual / v_residual [B, H, R, D] -> per split its max logit m [B, H, n_rep, S], the
     sums of 2**(s_t - m) v_t over its quantized values [B, H, n_rep, S, D] and over its tail
     share [B, H, n_rep, S, D], and the sum of 2**(s_t - m) over both [B, H, n_rep, S]. One
-    query head per program: with GQA the n_rep heads of a KV head read its value words in
-    turn (through L2)."""
+    query head per program (the n_rep heads of a KV head read its value words in turn,
+    through L2), except with GQA where `tuning.gqa_values` picks the tensor-core kernel and
+    it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split)."""
     B, H, slots, C = scores.shape
     n_rep = q.shape[2]
     P, R = block_max.shape[3], k_residual.shape[2]
     D = v_codes.shape[3] * (8 // bits)
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
+    tail_slots, max_chunk = _pow2_divisor(R, tuning.tail_slots), _pow2_divisor(P, 1024)
+    tensor_cores = n_rep > 1 and tuning.gqa_values == "tensor_cores"
+    if tensor_cores and not gqa_values.supported_reason(
+        n_rep=n_rep, group_size=G, head_dim=D, v_bits=bits
+    ):
+        blocks = _pow2_divisor(C // gqa_values.BLOCK, tuning.gqa_value_blocks)
+        step = gqa_values.BLOCK * blocks
+        S, steps_per_split = _splits(tuning, n_steps=C // step, rows=B * H)
+        return gqa_values.gqa_weighted_values(
+            q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
+            q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
+            tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
+            tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
+            prefetch=tuning.prefetch,
+            interpret=interpret,
+        )  # fmt: skip
     quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     step = 4 * quads * chain
-    n_steps = C // step
-    if tuning.num_splits is not None:
-        S = max(1, min(tuning.num_splits, n_steps))
-    else:
-        # A power of two: at 8 x 32k (256 rows) 5 splits ran the value kernel 14% slower than
-        # 4 or 8 (the step 6%; docs/history.md, R5).
-        cap = max(1, min(n_steps, pl.cdiv(tuning.target_programs, B * Hq)))
-        S = 1 << (cap.bit_length() - 1)
-    steps_per_split = pl.cdiv(n_steps, S)
-    S = pl.cdiv(n_steps, steps_per_split)
+    S, steps_per_split = _splits(tuning, n_steps=C // step, rows=B * Hq)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
     row = lambda b, h, s: (b, h, 0)
     slot = lambda b, h, s: (b, h // n_rep * slots + h % n_rep)  # query head h's score slot
     per_split = lambda b, h, s: (b, h, s)
-    residual = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
+    residuals = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
     m, o, o_tail, l_sum = pl.pallas_call(
         functools.partial(
             _value_kernel,
             splits=S,
-            tail_slots=_pow2_divisor(R, tuning.tail_slots),
+            tail_slots=tail_slots,
             q_scale=q_scale,
             bits=bits,
-            max_chunk=_pow2_divisor(P, 1024),
+            max_chunk=max_chunk,
             residual_length=R,
             quads=quads,
             chain=chain,
@@ -865,8 +845,8 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, D), row),
-            residual,
-            residual,
+            residuals,
+            residuals,
             pl.BlockSpec((None, None, C), lambda b, h, s: (*slot(b, h, s), 0)),
         ],
         out_specs=[
@@ -957,7 +937,10 @@ def kivi_decode_attention_gpu(
     q_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E  # base-2 logits
     q = q.reshape(B, H, n_rep, D)
     common = dict(group_size=G, interpret=interpret)
-    if n_rep > 1 and tuning.gqa_scores == "tensor_cores":
+    tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
+    if tensor_cores and not gqa_scores.supported_reason(
+        n_rep=n_rep, group_size=G, head_dim=D, k_bits=k_bits
+    ):
         scores, block_max = gqa_scores.gqa_key_scores(
             q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
             residual_length=R, program_groups=tuning.gqa_program_groups,

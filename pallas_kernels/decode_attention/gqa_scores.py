@@ -139,12 +139,12 @@ def shfl_xor(x, mask: int, *, interpret: bool):
 
 
 def shfl_idx(x, src, *, interpret: bool):
-    """Lane i gets float32 x of lane src[i]."""
+    """Lane i gets x (float32 or int32 [32]) of lane src[i]."""
     if interpret:
         return x[src]
-    bits = lax.bitcast_convert_type(x, jnp.int32)
+    bits = lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32 else x
     r = _asm("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", [bits, src], "=r,r,r")
-    return lax.bitcast_convert_type(r, jnp.float32)
+    return lax.bitcast_convert_type(r, jnp.float32) if x.dtype == jnp.float32 else r
 
 
 def mma_m16n8k16(a, b, c, *, interpret: bool):
@@ -188,7 +188,7 @@ def mma_m16n8k16(a, b, c, *, interpret: bool):
     return out
 
 
-def _pair(w, dtype):
+def param_pair(w, dtype):
     """int32 [32] holding two 16-bit floats of `dtype` (lower channel low) -> (lo, hi) f32."""
     if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
         f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
@@ -258,8 +258,8 @@ def _kernel(
     def compute(i, tile, maxima):
         gi = g0 + i
         ks, kz, words = tile
-        s = [v for w in ks for v in _pair(w, param_dtype)]
-        z = [v for w in kz for v in _pair(w, param_dtype)]
+        s = [v for w in ks for v in param_pair(w, param_dtype)]
+        z = [v for w in kz for v in param_pair(w, param_dtype)]
         b = [
             pack_f16x2(q[k] * s[k], q[k + 1] * s[k + 1], interpret=interpret)
             for k in range(0, len(q), 2)
