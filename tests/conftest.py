@@ -1,4 +1,4 @@
-"""Shared test helpers: random KV data and cache construction."""
+"""Shared test helpers: random KV data, cache construction, kernels lowered for CUDA."""
 
 import zlib
 
@@ -119,3 +119,23 @@ def smollm_f32(default_gguf):
     import kivi_jax
 
     return kivi_jax.load_model(default_gguf, dtype=jnp.float32)
+
+
+def triton_modules(monkeypatch, f, *args) -> dict[str, str]:
+    """{kernel name: its Triton module as text} of every Pallas kernel that jax.jit(f)(*args)
+    lowers to for CUDA (a CPU-only jaxlib lowers for "cuda" too; no GPU needed), as
+    Pallas-Triton hands it on."""
+    from jax._src.pallas.triton import lowering
+
+    lower = lowering.lower_jaxpr_to_triton_module  # as it is now (`triton_stages` may wrap it)
+    modules = {}
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        name = str(result.module.operation.attributes["sym_name"]).strip('"')
+        modules[name] = str(result.module)
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    return modules

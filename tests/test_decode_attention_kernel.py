@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_layout_cache, streamed_cache
+from conftest import random_layout_cache, streamed_cache, triton_modules
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     decode_attention_pallas,
@@ -493,19 +493,7 @@ def test_dispatch(rng):
 def _lowered_triton_modules(monkeypatch, tuning: GpuTuning, n_rep: int = 1) -> dict[str, str]:
     """{kernel name: its Triton module as text}, lowered for CUDA (no GPU needed) at a small
     shape, as Pallas-Triton hands it on (after `triton_stages` marks its loops)."""
-    from jax._src.pallas.triton import lowering
-
     triton_stages.install()
-    marked = lowering.lower_jaxpr_to_triton_module
-    modules = {}
-
-    def capture(*args, **kwargs):
-        result = marked(*args, **kwargs)
-        name = str(result.module.operation.attributes["sym_name"]).strip('"')
-        modules[name] = str(result.module)
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
     B, H, C, D, G, R = 1, 2, 256, 64, 32, 64
     sd, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
     args = [sd((B, H * n_rep, D), bf), sd((B, H, C // 2, D), u8), sd((B, H, C // G, D), bf),
@@ -516,8 +504,7 @@ def _lowered_triton_modules(monkeypatch, tuning: GpuTuning, n_rep: int = 1) -> d
         kivi_decode_attention_gpu, k_bits=4, v_bits=4, group_size=G, residual_length=R,
         tuning=tuning,
     )  # fmt: skip
-    jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
-    return modules
+    return triton_modules(monkeypatch, step, *args)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import triton_modules
 from kivi_jax.pallas_kernels.decode_attention import gqa_scores as gq
 
 LOG2E = 1.4426950408889634
@@ -154,13 +155,6 @@ def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
     # on a CPU-only jaxlib the kernel lowers to Triton IR for "cuda": the mma is its own inline
     # PTX, not a Triton dot (whose operand layouts Triton would choose and stage through shared
     # memory); benchmarks/kernel_sass.py builds it to SASS
-    from jax._src.pallas.triton import lowering
-
-    marked, modules = lowering.lower_jaxpr_to_triton_module, []
-    monkeypatch.setattr(
-        lowering, "lower_jaxpr_to_triton_module",
-        lambda *a, **k: modules.append(marked(*a, **k)) or modules[-1],
-    )  # fmt: skip
     sd = jax.ShapeDtypeStruct
     f = functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
                           residual_length=128, program_groups=16, prefetch=1,
@@ -168,7 +162,6 @@ def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
     args = (sd((1, 2, 4, 128), jnp.bfloat16), sd((1, 2, 256, 128), jnp.uint8),
             sd((1, 2, 32, 128), jnp.bfloat16), sd((1, 2, 32, 128), jnp.bfloat16),
             sd((1,), jnp.int32))  # fmt: skip
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    [module] = [str(m.module) for m in modules]
+    [module] = triton_modules(monkeypatch, f, *args).values()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in module
     assert "tt.dot" not in module

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import triton_modules
 from kivi_jax.pallas_kernels.decode_attention import gpu
 from kivi_jax.pallas_kernels.decode_attention import gqa_values as gv
 
@@ -127,13 +128,6 @@ def test_unsupported_configurations_are_named():
 def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
     # on a CPU-only jaxlib the kernel lowers to Triton IR for "cuda": its mma is inline PTX,
     # not a Triton dot
-    from jax._src.pallas.triton import lowering
-
-    marked, modules = lowering.lower_jaxpr_to_triton_module, []
-    monkeypatch.setattr(
-        lowering, "lower_jaxpr_to_triton_module",
-        lambda *a, **k: modules.append(marked(*a, **k)) or modules[-1],
-    )  # fmt: skip
     sd = jax.ShapeDtypeStruct
     f = functools.partial(gv.gqa_weighted_values, q_scale=1.0, bits=2, group_size=32,
                           splits=2, blocks=2, tokens_per_split=128, interleave=True,
@@ -143,7 +137,6 @@ def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
             sd((1, 2, 256, 4), jnp.bfloat16), sd((1, 2, 256, 4), jnp.bfloat16),
             sd((1, 2, 128, 128), jnp.bfloat16), sd((1, 2, 128, 128), jnp.bfloat16),
             sd((1,), jnp.int32))  # fmt: skip
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    [module] = [str(m.module) for m in modules]
+    [module] = triton_modules(monkeypatch, f, *args).values()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in module
     assert "tt.dot" not in module

@@ -598,19 +598,10 @@ def _value_kernel(
     split = pl.program_id(2)
     pv = jnp.maximum(length - residual_length, 0)
     step = 4 * quads * chain  # tokens per iteration
-    # Tile k starts at tile_start(k); its tokens below `end` are this split's (tiles the loop
-    # runs past n_tiles start at or past `end`).
-    if interleave:
-        # Tile k of this split is tile k * splits + split of the row: the row's splits walk
-        # neighbouring tiles together.
-        tile_start = lambda k: (k * splits + split) * step
-        end = pv
-        n_tiles = jnp.clip(pl.cdiv(pl.cdiv(pv, step) - split, splits), 0, tokens_per_split // step)
-    else:
-        lo = split * tokens_per_split
-        tile_start = lambda k: lo + k * step
-        end = jnp.minimum(lo + tokens_per_split, pv)
-        n_tiles = jnp.clip(pl.cdiv(end - lo, step), 0, tokens_per_split // step)
+    tile_start, end, n_tiles = residual.split_tiles(
+        pv, split=split, splits=splits, step=step, tokens_per_split=tokens_per_split,
+        interleave=interleave,
+    )  # fmt: skip
     shape = (quads, n_ch, wpg)
 
     def load(k):
@@ -795,7 +786,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     D = v_codes.shape[3] * (8 // bits)
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
-    tail_slots, max_chunk = _pow2_divisor(R, tuning.tail_slots), _pow2_divisor(P, 1024)
+    max_chunk = _pow2_divisor(P, 1024)
     tensor_cores = n_rep > 1 and tuning.gqa_values == "tensor_cores"
     if tensor_cores and not gqa_values.supported_reason(
         n_rep=n_rep, group_size=G, head_dim=D, v_bits=bits
@@ -823,7 +814,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         functools.partial(
             _value_kernel,
             splits=S,
-            tail_slots=tail_slots,
+            tail_slots=_pow2_divisor(R, tuning.tail_slots),
             q_scale=q_scale,
             bits=bits,
             max_chunk=max_chunk,

@@ -124,15 +124,10 @@ def _kernel(
     split = pl.program_id(2)
     pv = jnp.maximum(length - R, 0)
     step = BLOCK * blocks  # tokens per iteration
-    if interleave:  # tile k of this split is tile k * splits + split of the row
-        tile_start = lambda k: (k * splits + split) * step
-        end = pv
-        n_tiles = jnp.clip(pl.cdiv(pl.cdiv(pv, step) - split, splits), 0, tokens_per_split // step)
-    else:
-        lo = split * tokens_per_split
-        tile_start = lambda k: lo + k * step
-        end = jnp.minimum(lo + tokens_per_split, pv)
-        n_tiles = jnp.clip(pl.cdiv(end - lo, step), 0, tokens_per_split // step)
+    tile_start, end, n_tiles = residual.split_tiles(
+        pv, split=split, splits=splits, step=step, tokens_per_split=tokens_per_split,
+        interleave=interleave,
+    )  # fmt: skip
     # The lane's bytes of a token: in group g, bytes g G/vpb + i 4/vpb (+ u at 4 bits), all
     # within one word.
     group_bytes, lane_bytes = G // vpb, 4 // vpb

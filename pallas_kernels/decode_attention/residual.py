@@ -1,6 +1,7 @@
-"""What both value kernels (`gpu.weighted_values`, `gqa_values.gqa_weighted_values`) do before
-their quantized tokens: the row's max over the score programs' maxima, and a program's share of
-the residual tail (the last R tokens, full-precision values), for one or several query heads."""
+"""What both value kernels (`gpu.weighted_values`, `gqa_values.gqa_weighted_values`) share: a
+split's tiles of the quantized values, and before them the row's max over the score programs'
+maxima and a program's share of the residual tail (the last R tokens, full-precision values),
+for one or several query heads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kivi_jax.pallas_kernels.decode_attention import loops
+
+
+def split_tiles(pv, *, split, splits: int, step: int, tokens_per_split: int, interleave: bool):
+    """The tiles of `step` tokens that value split `split` of `splits` takes of a row's
+    quantized values [0, pv) -> (tile_start(k), end, n_tiles): tile k starts at tile_start(k)
+    and its tokens below `end` are this split's (tiles a loop runs past n_tiles start at or
+    past `end`). interleave: tile k of this split is tile k * splits + split of the row (the
+    row's splits walk neighbouring tiles together); else one contiguous range of
+    tokens_per_split tokens each."""
+    cap = tokens_per_split // step
+    if interleave:
+        n_tiles = jnp.clip(pl.cdiv(pl.cdiv(pv, step) - split, splits), 0, cap)
+        return (lambda k: (k * splits + split) * step), pv, n_tiles
+    lo = split * tokens_per_split
+    end = jnp.minimum(lo + tokens_per_split, pv)
+    return (lambda k: lo + k * step), end, jnp.clip(pl.cdiv(end - lo, step), 0, cap)
 
 
 def row_max(read, P: int, chunk: int):
