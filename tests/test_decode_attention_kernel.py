@@ -54,6 +54,7 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _parts_unit,
     _score_tile_start,
     _words,
+    key_scores,
     score_tiles,
     weighted_values,
 )
@@ -251,14 +252,13 @@ def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
     assert not np.asarray(o_tail[0]).any() and not np.asarray(l_sum[0]).any()  # length 0
 
 
-@pytest.mark.parametrize("S", [1, 2, 5])
-def test_splits_merge_elementwise_into_one_softmax(rng, S):
+@pytest.mark.parametrize("S", [1, 2, 5, 128])
+def test_splits_merge_into_one_softmax(rng, S):
     """_merge_splits: the splits' partial softmaxes (max m, sums o + o_tail of 2**(s_t - m) v_t,
     l of 2**(s_t - m)) rescaled to the row's largest max: sum_s 2**(m_s - M) (o_s + o_tail_s)
     / sum_s 2**(m_s - M) l_s; a split without tokens (zero sums; m the row's quantized max,
     at most any other split's m) adds nothing, a row whose splits are all empty (m = -1e30)
-    gives zeros. Elementwise over the S slices: its jaxpr holds no reduction, so that XLA
-    fuses the whole merge into one loop fusion."""
+    gives zeros."""
     rows, D = 4, 8
     m = rng.normal(size=(rows, S)).astype(np.float32) * 4
     o, o_tail = (rng.normal(size=(rows, S, D)).astype(np.float32) for _ in range(2))
@@ -273,8 +273,6 @@ def test_splits_merge_elementwise_into_one_softmax(rng, S):
     expected = np.where(den > 0, num / np.where(den > 0, den, 1), 0)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
     assert not np.asarray(out[3]).any()
-    jaxpr = jax.make_jaxpr(_merge_splits)(*(jnp.asarray(x) for x in (m, o, o_tail, l_sum)))
-    assert not [e for e in jaxpr.eqns if e.primitive.name.startswith(("reduce", "argm", "cum"))]
 
 
 def _rounded_reference(q, cache, dtype):
@@ -431,6 +429,32 @@ def test_last_score_program_holds_the_rest_interpret(rng, stages):
     _check(q, cache, interpret=True, tuning=tuning)
 
 
+def test_score_program_maxima_are_padded_to_a_power_of_two_interpret(rng):
+    """10 key groups in score programs of 4 (3 programs a row): the maxima come as 4 per row,
+    program p's the max of its logits below Qk (-1e30 where it holds none), the fourth -1e30,
+    so that a value program reads them in one load."""
+    B, H, n_rep, D, G, C, R = 3, 1, 2, 64, 32, 320, 64
+    tuning = GpuTuning(score_program_groups=4)
+    lengths = np.array([320, 170, 40], np.int32)  # Qk: 320, 128, 0
+    logits, maxima = key_scores(
+        jnp.asarray(rng.normal(size=(B, H, n_rep, D)), jnp.bfloat16),
+        jnp.asarray(rng.integers(0, 256, (B, H, C // 4, D), dtype=np.uint8)),
+        jnp.asarray(rng.random((B, H, C // G, D)) + 0.1, jnp.bfloat16),
+        jnp.asarray(rng.normal(size=(B, H, C // G, D)), jnp.bfloat16),
+        jnp.asarray(lengths), q_scale=0.2, bits=2, group_size=G, residual_length=R,
+        tuning=tuning, interpret=True,
+    )  # fmt: skip
+    assert maxima.shape == (B, H, n_rep, 4)
+    logits, maxima = np.asarray(logits), np.asarray(maxima)
+    for b, length in enumerate(lengths):
+        qk = length - length % R
+        for p in range(3):
+            held = logits[b, ..., p * 128 : min((p + 1) * 128, qk)]
+            want = held.max(-1) if held.size else np.float32(-1e30)
+            np.testing.assert_array_equal(maxima[b, ..., p], want)
+    assert (maxima[..., 3] == np.float32(-1e30)).all()
+
+
 def test_random_layout_state_interpret(rng):
     """Random codes, scales (some zero) and zero points written straight into the layout."""
     cache = random_layout_cache(
@@ -584,6 +608,16 @@ def test_score_stages_left_none_follow_heads_bits_and_programs():
     set2 = GpuTuning(score_stages=2)
     assert set2.key_stages(1, k_bits=2, programs=few) == 2
     assert set2.key_stages(4, k_bits=4, programs=many) == 2
+
+
+def test_gqa_program_groups_left_none_follow_the_programs():
+    """16 key groups per tensor-core score program where that fills `one_wave` programs
+    (8 x 32k at 8 KV heads: 64 rows of 64 programs), else 8; a set value stands."""
+    t = GpuTuning()
+    assert t.gqa_groups(n_groups=1024, rows=64) == 16  # 4096 programs
+    assert t.gqa_groups(n_groups=1024, rows=8) == 8  # 1 x 32k
+    assert t.gqa_groups(n_groups=68, rows=128) == 8  # 16 x 2176: 640 programs
+    assert GpuTuning(gqa_program_groups=4).gqa_groups(n_groups=1024, rows=64) == 4
 
 
 def test_unsupported_configs_are_named():

@@ -120,8 +120,10 @@ def _check_logits(
     P, span = -(-36 // program_groups), 32 * program_groups  # programs a row, their tokens
     slots = gq.head_slots(n_rep)  # 1, 2, 4, 4, 8 for n_rep 1, 2, 3, 4, 8
     assert slots >= n_rep and slots & (slots - 1) == 0
-    assert logits.shape == (B, H, slots, C) and maxima.shape == (B, H, slots, 8 * P)
+    M = 1 << (8 * P - 1).bit_length()  # 8 maxima a program, padded to a power of two
+    assert logits.shape == (B, H, slots, C) and maxima.shape == (B, H, slots, M)
     logits, maxima = np.asarray(logits), np.asarray(maxima)
+    assert (maxima[:, :, :n_rep, 8 * P :] == np.float32(-1e30)).all()
     want = _reference(np.asarray(q, np.float32), codes, np.asarray(s, np.float32),
                       np.asarray(z, np.float32), bits=bits, q_scale=q_scale)  # fmt: skip
     for b, length in enumerate(lengths):

@@ -91,7 +91,13 @@ _MAX_CHAIN = 64
 
 
 # GpuTuning fields that may be None: a default chosen by the shape (see their methods).
-_NONE_MEANS_DEFAULT = ("score_slices", "value_quads", "num_splits", "score_stages")
+_NONE_MEANS_DEFAULT = (
+    "score_slices",
+    "value_quads",
+    "num_splits",
+    "score_stages",
+    "gqa_program_groups",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,15 +161,15 @@ class GpuTuning:
       mma.sync) where it supports the configuration (`gqa_scores.supported_reason`: G = 32,
       n_rep <= 8), else, or if "cuda_cores", `key_scores` (one program per query head).
     gqa_program_groups: key groups per program of the tensor-core score kernel (its loads
-      issued `prefetch` groups ahead).
+      issued `prefetch` groups ahead). None: by the programs (`gqa_groups`).
     gqa_values: the value kernel with GQA, likewise: "tensor_cores"
       (`gqa_values.gqa_weighted_values`: one warp per KV head and token split sums the
       values of its <= 8 query heads with mma.sync; `num_splits` and `target_programs` then
       count splits of a KV head's row) where `gqa_values.supported_reason` allows, else, or
       if "cuda_cores", `_value_kernel` (one program per query head). With both on tensor
       cores the Llama-3-8B-head step on the H200 ran 229.6 -> 145.0 µs at 8 x 32k, 2 bits,
-      and 269.8 -> 188.7 at 4 bits, but 42.3 -> 48.1 at 1 x 32k
-      (benchmarks/results/gqa_tensor_core_values.md).
+      and 269.8 -> 188.7 at 4 bits (benchmarks/results/gqa_tensor_core_values.md); at 1 x 32k
+      39.6 -> 30.5 once the split merge became a reduction (benchmarks/results/attention.md).
     gqa_value_blocks: blocks of 16 tokens per iteration of the tensor-core value kernel
       (a power of two dividing the capacity's blocks, at most this).
     gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
@@ -187,7 +193,7 @@ class GpuTuning:
     tail_slots: int = 16
     num_stages: int = 2
     gqa_scores: str = "tensor_cores"
-    gqa_program_groups: int = 16
+    gqa_program_groups: int | None = None
     gqa_values: str = "tensor_cores"
     gqa_value_blocks: int = 2
     gqa_tail_slots: int = 4
@@ -243,6 +249,16 @@ class GpuTuning:
         if n_rep > 1 or (k_bits == 2 and programs <= self.one_wave):
             return 1
         return 3
+
+    def gqa_groups(self, *, n_groups: int, rows: int) -> int:
+        """gqa_program_groups, or if None the default for `rows` rows (sequences times KV
+        heads) of n_groups key groups: 16, but 8 where 16 would leave fewer than `one_wave`
+        programs. H200, Llama-3-8B heads, 2 bits, the tensor-core score kernel with 8
+        against 16: 1 x 32k 18.3 -> 13.6 µs (4: 14.7), 1 x 128k 48.7 -> 41.5, 16 x 2176
+        18.3 -> 14.0; at 8 x 32k (4096 programs) 71.9 -> 73.1 (docs/history.md, G10)."""
+        if self.gqa_program_groups:
+            return self.gqa_program_groups
+        return 16 if rows * pl.cdiv(n_groups, 16) >= self.one_wave else 8
 
     def quads(self, v_bits: int) -> int:
         """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
@@ -499,7 +515,7 @@ def _score_kernel(
     kz_ref,  # [NG, nS, ws, 4]     key zero points
     kw_ref,  # [NG, GB, nS, ws]    int32 key words: group, token byte, channel quads
     s_ref,  # out [NG, GB, 2..2]   f32 logits of token g*G + kpb*tb + j (j over the 2s)
-    m_ref,  # out []               f32 max over this program's quantized keys
+    m_ref,  # out [M]              f32 at p: max over program p's quantized keys; -1e30 past P
     *,
     n_groups: int,  # key groups in the capacity; the last program's blocks reach past them
     q_scale: float,
@@ -551,7 +567,13 @@ def _score_kernel(
 
     m_init = jnp.full((n1, GB), loops.NEG_INIT, jnp.float32)  # reduced after the loop
     live = lambda k: g_base + k * n1 < qk_groups  # k < n_tiles, or a clamped tile (above)
-    m_ref[()] = jnp.max(loops.pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
+    p, programs = pl.program_id(2), pl.num_programs(2)
+    m = jnp.max(loops.pipelined_loop(n_tiles, prefetch, load, compute, m_init, live))
+    m_ref[p] = m
+
+    @pl.when(programs + p < m_ref.shape[0])
+    def _():  # program p also fills pad slot P + p with -1e30 (m >= it; a constant stored
+        m_ref[programs + p] = jnp.minimum(m, loops.NEG_INIT)  # in a cond fails to lower)
 
 
 def _value_kernel(
@@ -695,7 +717,8 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
                residual_length, tuning, interpret):  # fmt: skip
     """The score kernel. q [B, H, n_rep, D] (queries, any float dtype; the logits are of
     q * q_scale in float32) -> logits [B, H, n_rep, C] of the quantized keys (defined for
-    t < Qk) and each program's max [B, H, n_rep, P]."""
+    t < Qk) and each program's max [B, H, n_rep, M] (P programs a row, M = P rounded up to a
+    power of two, -1e30 past P: a value program reads them in one load where M <= 1024)."""
     B, H, n_rep, D = q.shape
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
@@ -703,6 +726,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     NG, n1, nS = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     ws = W // nS  # words per slice of a key row
     P = pl.cdiv(C // G, NG)
+    M = 1 << (P - 1).bit_length()
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
     Hq = H * n_rep
@@ -730,11 +754,11 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
         ],
         out_specs=[
             pl.BlockSpec((None, None, NG, GB, *twos), lambda b, h, p: (b, h, p, 0, *zeros)),
-            pl.BlockSpec((None, None, None), lambda b, h, p: (b, h, p)),
+            pl.BlockSpec((None, None, M), lambda b, h, p: (b, h, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hq, C // G, GB, *twos), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hq, P), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, M), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(
             num_warps=tuning.score_warps, num_stages=tuning.num_stages
@@ -748,7 +772,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
         k_zero.reshape(B, H, C // G, nS, ws, 4),
         _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
     )
-    return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, P)
+    return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, M)
 
 
 def _splits(tuning: GpuTuning, *, n_steps: int, rows: int) -> tuple[int, int]:
@@ -934,7 +958,7 @@ def kivi_decode_attention_gpu(
     ):
         scores, block_max = gqa_scores.gqa_key_scores(
             q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
-            residual_length=R, program_groups=tuning.gqa_program_groups,
+            residual_length=R, program_groups=tuning.gqa_groups(n_groups=C // G, rows=B * H),
             prefetch=tuning.prefetch, **common,
         )  # fmt: skip
     else:
@@ -954,16 +978,13 @@ def _merge_splits(m, o, o_tail, l_sum):
     [..., S], o and o_tail [..., S, D]) rescaled to their largest max and merged -> [..., D]
     float32. A split without tokens has zero sums (and m the row's quantized max, or -1e30
     where the row has no quantized keys and the split no tail chunk); an empty row has
-    m = -1e30 in every split, so weights of 1 on zero sums, and gives zeros. Written as
-    elementwise operations on the S slices, no reduction, so that XLA makes the whole merge
-    one loop fusion (with sums over S it ran as two kernels per layer)."""
-    S = m.shape[-1]
-    top = functools.reduce(jnp.maximum, [m[..., s] for s in range(S)])
-    w = [jnp.exp2(m[..., s] - top) for s in range(S)]  # [...] each
-    num = functools.reduce(
-        jnp.add, [w[s][..., None] * (o[..., s, :] + o_tail[..., s, :]) for s in range(S)]
-    )
-    den = functools.reduce(jnp.add, [w[s] * l_sum[..., s] for s in range(S)])[..., None]
+    m = -1e30 in every split, so weights of 1 on zero sums, and gives zeros. Written as sums
+    over S, which XLA makes one reduction fusion: ~2 µs on the H200 at every S the kernels
+    use (elementwise over the S slices it took 15-28 µs from S = 8 on;
+    `python benchmarks/merge_splits.py`, benchmarks/results/merge_splits.json)."""
+    w = jnp.exp2(m - jnp.max(m, axis=-1, keepdims=True))  # [..., S]
+    num = jnp.sum(w[..., None] * (o + o_tail), axis=-2)
+    den = jnp.sum(w * l_sum, axis=-1)[..., None]
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
 
 

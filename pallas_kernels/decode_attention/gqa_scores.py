@@ -203,7 +203,8 @@ def _kernel(
     kz_ref,  # [C/G, D/2]        int32 key zero points, likewise
     kw_ref,  # [C/kpb, D/4]      int32 key words: token byte, channel quad
     s_ref,  # out [slots, C]     f32 logits, head slot h, token t
-    m_ref,  # out [slots, 8]     f32 max of lane (g, t)'s logits of head slot 2t + e at [2t + e, g]
+    m_ref,  # out [slots, M]     f32 max of lane (g, t)'s logits of head slot 2t + e at
+    #                              [2t + e, 8 p + g] (program p); -1e30 at [., 8 P, M)
     *,
     n_rep: int,
     bits: int,
@@ -292,8 +293,14 @@ def _kernel(
     init = jnp.full((32,), loops.NEG_INIT, jnp.float32)
     live = lambda i: i < n_groups
     maxima = loops.pipelined_loop(n_groups, prefetch, load, compute, (init, init), live)
+    programs = pl.num_programs(2)
+    column = 8 * pl.program_id(2) + g
+    pad = 8 * programs + column  # program p also fills pad columns 8 (P + p) + g below M
+    in_pad = pad < m_ref.shape[1]
     for e in (0, 1):
-        plgpu.store(m_ref.at[out_slot[e], g], maxima[e], mask=stored[e])
+        plgpu.store(m_ref.at[out_slot[e], column], maxima[e], mask=stored[e])
+        keep = in_pad if stored[e] is None else in_pad & stored[e]
+        plgpu.store(m_ref.at[out_slot[e], pad], init, mask=keep)
 
 
 def gqa_key_scores(
@@ -303,8 +310,10 @@ def gqa_key_scores(
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
     [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, slots, C] (head
     slots, `head_slots(n_rep)`; those below n_rep defined for t < Qk) and maxima
-    [B, H, slots, 8 P] (P programs of `program_groups` key groups per row, their loads issued
-    `prefetch` groups ahead; -1e30 where a lane held no logit)."""
+    [B, H, slots, M] (8 per program, P programs of `program_groups` key groups per row,
+    their loads issued `prefetch` groups ahead; -1e30 where a lane held no logit; M = 8 P
+    rounded up to a power of two, the columns past 8 P -1e30, so that a value program reads
+    them in one load where M <= 1024)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
@@ -313,6 +322,7 @@ def gqa_key_scores(
     C = k_codes.shape[2] * kpb
     G = group_size
     P = pl.cdiv(C // G, program_groups)
+    M = 1 << (8 * P - 1).bit_length()
     slots = head_slots(n_rep)
     words = lax.bitcast_convert_type(k_codes.reshape(B, H, C // kpb, D // 4, 4), jnp.int32)
     pairs = lambda x: lax.bitcast_convert_type(x.reshape(B, H, C // G, D // 2, 2), jnp.int32)
@@ -339,11 +349,11 @@ def gqa_key_scores(
         ],
         out_specs=[
             pl.BlockSpec((None, None, slots, C), whole),
-            pl.BlockSpec((None, None, slots, 8), lambda b, h, p: (b, h, 0, p)),
+            pl.BlockSpec((None, None, slots, M), whole),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, H, slots, C), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, slots, 8 * P), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, slots, M), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
