@@ -168,8 +168,9 @@ class GpuTuning:
       count splits of a KV head's row) where `gqa_values.supported_reason` allows, else, or
       if "cuda_cores", `_value_kernel` (one program per query head). With both on tensor
       cores the Llama-3-8B-head step on the H200 ran 229.6 -> 145.0 µs at 8 x 32k, 2 bits,
-      and 269.8 -> 188.7 at 4 bits (benchmarks/results/gqa_tensor_core_values.md); at 1 x 32k
-      39.6 -> 30.5 once the split merge became a reduction (benchmarks/results/attention.md).
+      and 269.8 -> 188.7 at 4 bits (benchmarks/results/gqa_tensor_core_values.md); at 1 x 32k,
+      once the split merge became a reduction, 39.6 -> 31.1 (one process, call s14-c2,
+      benchmarks/results/gqa_small_batch.md).
     gqa_value_blocks: blocks of 16 tokens per iteration of the tensor-core value kernel
       (a power of two dividing the capacity's blocks, at most this).
     gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
@@ -726,7 +727,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     NG, n1, nS = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     ws = W // nS  # words per slice of a key row
     P = pl.cdiv(C // G, NG)
-    M = 1 << (P - 1).bit_length()
+    M = _next_pow2(P)
     twos = (2,) * (kpb.bit_length() - 1)  # kpb = 2 * ... * 2, see _stack_fields
     zeros = (0,) * len(twos)
     Hq = H * n_rep
