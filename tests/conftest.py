@@ -1,6 +1,20 @@
 """Shared test helpers: random KV data, cache construction, kernels lowered for CUDA."""
 
+import os
 import zlib
+
+# Most of the suite's time is XLA compiling the interpret-mode kernels' large programs (one of
+# the kernel grid's cases: 31 s of compile against 0.1 s of running, 2-core CPU, jax 0.10.2).
+# Tests compile each program once and run it on small shapes, so they skip LLVM's
+# optimizations and the parallel code generation (xdist already runs one process per core):
+# that case's compile 31 -> 20 s. Set before jax starts its backends; flags a user set stay.
+os.environ["XLA_FLAGS"] = " ".join(
+    (
+        "--xla_backend_optimization_level=0",
+        "--xla_cpu_parallel_codegen_split_count=1",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+).strip()
 
 import jax
 import jax.numpy as jnp
