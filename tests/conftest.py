@@ -1,25 +1,32 @@
 """Shared test helpers: random KV data, cache construction, kernels lowered for CUDA."""
 
+import importlib.metadata
 import os
 import zlib
-
-# Most of the suite's time is XLA compiling the interpret-mode kernels' large programs (one of
-# the kernel grid's cases: 31 s of compile against 0.1 s of running, 2-core CPU, jax 0.10.2).
-# Tests compile each program once and run it on small shapes, so they skip LLVM's
-# optimizations and the parallel code generation (xdist already runs one process per core):
-# that case's compile 31 -> 20 s. Set before jax starts its backends; flags a user set stay.
-os.environ["XLA_FLAGS"] = " ".join(
-    (
-        "--xla_backend_optimization_level=0",
-        "--xla_cpu_parallel_codegen_split_count=1",
-        os.environ.get("XLA_FLAGS", ""),
-    )
-).strip()
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+# On the CPU most of the suite's time is XLA compiling the interpret-mode kernels' large
+# programs (one of the kernel grid's cases: 31 s of compile against 0.1 s of running, 2-core
+# CPU, jax 0.10.2). Tests compile each program once and run it on small shapes, so there they
+# skip LLVM's optimizations and the parallel code generation (xdist already runs one process
+# per core): that case's compile 31 -> 20 s. Where jax has a CUDA plugin the GPU tests keep
+# XLA's defaults. Set before jax starts its backends; flags a user set stay.
+_CUDA = any(
+    (d.metadata["Name"] or "").replace("_", "-").startswith("jax-cuda")
+    for d in importlib.metadata.distributions()
+)
+if not _CUDA:
+    os.environ["XLA_FLAGS"] = " ".join(
+        (
+            "--xla_backend_optimization_level=0",
+            "--xla_cpu_parallel_codegen_split_count=1",
+            os.environ.get("XLA_FLAGS", ""),
+        )
+    ).strip()
 
 
 @pytest.fixture
