@@ -37,7 +37,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     kivi_decode_attention_tpu,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
-    key_scores,
+    dispatch_key_scores,
     score_tiles,
     weighted_values,
 )
@@ -323,9 +323,10 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
     def scores(q, state):
-        return key_scores(split(q), state["k_codes"], state["k_scale"], state["k_zero"],
-                          state["lengths"], q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
-                          tuning=tuning, **kw)[1]  # fmt: skip
+        return dispatch_key_scores(
+            split(q), state["k_codes"], state["k_scale"], state["k_zero"], state["lengths"],
+            q_scale=q_scale, bits=bits, residual_length=RESIDUAL, tuning=tuning, **kw,
+        )[1]  # fmt: skip
 
     def values(q, state):
         st, (logits, block_max) = state

@@ -904,6 +904,27 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     )
 
 
+def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
+                        residual_length, tuning, interpret):  # fmt: skip
+    """The score kernel the tuning picks for q [B, H, n_rep, D]: with GQA the tensor-core one
+    where `tuning.gqa_scores` asks for it and it applies (`gqa_scores.gqa_key_scores`), else
+    `key_scores`; -> (logits, maxima) as each returns them."""
+    B, H, n_rep, D = q.shape
+    C = k_scale.shape[2] * group_size
+    common = dict(q_scale=q_scale, bits=bits, group_size=group_size,
+                  residual_length=residual_length, interpret=interpret)  # fmt: skip
+    tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
+    if tensor_cores and not gqa_scores.supported_reason(
+        n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits
+    ):
+        return gqa_scores.gqa_key_scores(
+            q, k_codes, k_scale, k_zero, lengths,
+            program_groups=tuning.gqa_groups(n_groups=C // group_size, rows=B * H),
+            prefetch=tuning.prefetch, **common,
+        )  # fmt: skip
+    return key_scores(q, k_codes, k_scale, k_zero, lengths, tuning=tuning, **common)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -953,20 +974,10 @@ def kivi_decode_attention_gpu(
     q_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E  # base-2 logits
     q = q.reshape(B, H, n_rep, D)
     common = dict(group_size=G, interpret=interpret)
-    tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
-    if tensor_cores and not gqa_scores.supported_reason(
-        n_rep=n_rep, group_size=G, head_dim=D, k_bits=k_bits
-    ):
-        scores, block_max = gqa_scores.gqa_key_scores(
-            q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
-            residual_length=R, program_groups=tuning.gqa_groups(n_groups=C // G, rows=B * H),
-            prefetch=tuning.prefetch, **common,
-        )  # fmt: skip
-    else:
-        scores, block_max = key_scores(
-            q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits,
-            residual_length=R, tuning=tuning, **common,
-        )  # fmt: skip
+    scores, block_max = dispatch_key_scores(
+        q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
+        tuning=tuning, **common,
+    )  # fmt: skip
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
