@@ -14,6 +14,9 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   exact integers. Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
+  A group's scale and zero-point words are read by whole-warp loads (lane l: word l + 32 r)
+  and handed to the lanes that need them by SHFL: 8 lanes share each word, and per-lane
+  gathers of them held 32 registers of each group in flight, not 4.
 * The field's 2**(bits*j) and the zero points' sum_d q_hd z_gd (summed over a head's 4 lanes
   by two butterfly shuffles) are applied to the accumulators per row.
 
@@ -223,7 +226,12 @@ def _kernel(
     g, t = lane // 4, lane % 4  # the lane's A rows g, g + 8 and B column (head) g
     # B: channels 16c + 2t + {0, 1, 8, 9} of chunk c, head g (0 past n_rep)
     chans = [16 * c + 2 * t + o for c in range(D // 16) for o in (0, 1, 8, 9)]
-    pairs = [8 * c + t + o for c in range(D // 16) for o in (0, 4)]  # the same, as pairs
+    # The same as pairs (words of two channels): pair 8 c + t + o. A group's D / 2 scale
+    # (and zero-point) words are loaded once by the warp, lane l holding word l + 32 r of load r
+    # (wrapped below D / 2), and each lane takes its pairs from the lane that loaded them.
+    n_pairs = D // 2
+    param_loads = [(lane + 32 * r) % n_pairs for r in range(pl.cdiv(n_pairs, 32))]
+    pair_src = [(c // 4, 8 * (c % 4) + t + o) for c in range(D // 16) for o in (0, 4)]
     head = jnp.minimum(g, n_rep - 1)
     q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
     selector = jnp.where(t % 2 == 0, 0x4140, 0x4342)  # the lane's two bytes -> the two halves
@@ -254,11 +262,12 @@ def _kernel(
         words = [
             kw_ref[gi * GB + tb, 4 * c + 2 * k + t // 2] for tb in token_bytes for c, k in columns
         ]
-        return [ks_ref[gi, w] for w in pairs], [kz_ref[gi, w] for w in pairs], words
+        return [ks_ref[gi, w] for w in param_loads], [kz_ref[gi, w] for w in param_loads], words
 
     def compute(i, tile, maxima):
         gi = g0 + i
-        ks, kz, words = tile
+        *params, words = tile
+        ks, kz = ([shfl_idx(x[r], src, interpret=interpret) for r, src in pair_src] for x in params)
         s = [v for w in ks for v in param_pair(w, param_dtype)]
         z = [v for w in kz for v in param_pair(w, param_dtype)]
         b = [
