@@ -661,7 +661,11 @@ def _value_kernel(
             t0 = tile_start(k) + 4 * quads * c
             w.append([])
             for a, (_, vs, vz, logits) in enumerate(sub):
-                p = jnp.where(t0 + 4 * quad + a < end, jnp.exp2(logits - m), 0.0)  # [quads]
+                p = jnp.where(  # [quads]
+                    t0 + 4 * quad + a < end,
+                    gqa_scores.exp2_ftz(logits - m, interpret=interpret),
+                    0.0,
+                )
                 w[c].append(p[:, None] * vs.astype(jnp.float32))
                 pz = pz + p[:, None] * vz.astype(jnp.float32)
                 ls = ls + p

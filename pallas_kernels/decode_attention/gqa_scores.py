@@ -132,6 +132,16 @@ def prmt(a, b, selector, *, interpret: bool):
     return _asm("prmt.b32 $0, $1, $2, $3;", [a, b, selector], "=r,r,r,r")
 
 
+def exp2_ftz(x, *, interpret: bool):
+    """2**x of float32 x (any shape) in one MUFU.EX2 (`ex2.approx.ftz.f32`): results below 2**-126
+    (the smallest normal float32) flush to 0, where jnp.exp2's lowering spends a compare and
+    two multiplies per element to keep them; otherwise the same instruction."""
+    if interpret:
+        r = jnp.exp2(x)
+        return jnp.where(r < jnp.finfo(jnp.float32).tiny, 0.0, r)
+    return _asm("ex2.approx.ftz.f32 $0, $1;", [x], "=f,f", jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
 def shfl_xor(x, mask: int, *, interpret: bool):
     """Lane i gets float32 x of lane i ^ mask."""
     if interpret:

@@ -52,6 +52,7 @@ from kivi_jax.pallas_kernels.decode_attention.gqa_scores import (
     _MAGIC,
     MAX_HEADS,
     and_or,
+    exp2_ftz,
     mma_m16n8k16,
     pack_f16x2,
     param_pair,
@@ -210,14 +211,15 @@ def _kernel(
             sc, zp = ([[shfl(x, 4 * (a * NP + v) + t) for v in range(NP)] for a in range(4)]
                       for x in (sc, zp))  # fmt: skip
             p = [
-                jnp.where((i < n_rep) & (x < end), jnp.exp2(s - m_lane), 0.0)
+                jnp.where((i < n_rep) & (x < end), exp2_ftz(s - m_lane, interpret=interpret), 0.0)
                 for x, s in zip(toks, logits, strict=True)
             ]
             s = [[v for x in row for v in param_pair(x, param_dtype)] for row in sc]  # [a][g]
             z = [[v for x in row for v in param_pair(x, param_dtype)] for row in zp]
             ls = ls + functools.reduce(jnp.add, p)
             for g in range(n_groups):
-                pz[g] = pz[g] + functools.reduce(jnp.add, [p[a] * z[a][g] for a in range(4)])
+                for a in range(4):  # a chain of fused multiply-adds
+                    pz[g] = pz[g] + p[a] * z[a][g]
                 b = [
                     pack_f16x2(p[a] * s[a][g], p[a + 1] * s[a + 1][g], interpret=interpret)
                     for a in (0, 2)
