@@ -8,10 +8,13 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
     S[t, h] = sum_d c_td (q_hd s_gd) + sum_d q_hd z_gd      (k_td = s_gd c_td + z_gd)
 
 * A (16 x 16, rows = tokens, k = channels): the tile's key codes, unpacked in registers into
-  f16 pairs. A key word holds 4 channels of `8 // bits` tokens (one field per token); each
-  lane takes the two bytes of its fragment (one PRMT), keeps one field (c * 2**(bits*j) in
-  each half) with the exponent of 1024 ORed in (one LOP3), and subtracts 1024 (one HSUB2):
-  exact integers. Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
+  f16 pairs. A key word holds 4 channels of `8 // bits` tokens (one field per token). The
+  mma's k is mapped to channels so that a lane's 4 k of a chunk are the 4 channels of one
+  word: each lane loads whole words of its own (none twice: with k = channels in order, two
+  lanes loaded each word and a load touched 8 bytes of each of 8 rows). Each register takes
+  two of the word's bytes (one PRMT), keeps one field (c * 2**(bits*j) in each half) with the
+  exponent of 1024 ORed in (one LOP3), and subtracts 1024 (one HSUB2): exact integers. Rows g
+  and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
   A group's scale and zero-point words are read by whole-warp loads (lane l: word l + 32 r)
@@ -234,17 +237,21 @@ def _kernel(
     GB = G // kpb  # token bytes per key group
     lane = lax.broadcasted_iota(jnp.int32, (32,), 0)
     g, t = lane // 4, lane % 4  # the lane's A rows g, g + 8 and B column (head) g
-    # B: channels 16c + 2t + {0, 1, 8, 9} of chunk c, head g (0 past n_rep)
-    chans = [16 * c + 2 * t + o for c in range(D // 16) for o in (0, 1, 8, 9)]
-    # The same as pairs (words of two channels): pair 8 c + t + o. A group's D / 2 scale
+    # The mma's k (16 per chunk c of 16 channels) is ours to map to channels: lane t's k
+    # 2t, 2t + 1, 2t + 8, 2t + 9 are the 4 channels 16c + 4t + {0, 1, 2, 3} of key word 4c + t
+    # of a token byte, so that each lane loads whole words of its own and none twice.
+    # B: those channels of chunk c, head g (0 past n_rep)
+    chans = [16 * c + 4 * t + o for c in range(D // 16) for o in range(4)]
+    # The same as pairs (words of two channels): pairs 8c + 2t + {0, 1}. A group's D / 2 scale
     # (and zero-point) words are loaded once by the warp, lane l holding word l + 32 r of load r
     # (wrapped below D / 2), and each lane takes its pairs from the lane that loaded them.
     n_pairs = D // 2
     param_loads = [(lane + 32 * r) % n_pairs for r in range(pl.cdiv(n_pairs, 32))]
-    pair_src = [(c // 4, 8 * (c % 4) + t + o) for c in range(D // 16) for o in (0, 4)]
+    pair_src = [(c // 4, 8 * (c % 4) + 2 * t + o) for c in range(D // 16) for o in (0, 1)]
     head = jnp.minimum(g, n_rep - 1)
     q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
-    selector = jnp.where(t % 2 == 0, 0x4140, 0x4342)  # the lane's two bytes -> the two halves
+    # a word's bytes (0, 1) and (2, 3) -> the two halves' low bytes: k 2t, 2t + 1 and 2t + 8, 2t + 9
+    selectors = [jnp.full((32,), x, jnp.int32) for x in (0x4140, 0x4342)]
     magic = jnp.full((32,), _MAGIC, jnp.int32)
     field_masks = [  # field f of both halves' low bytes
         jnp.full((32,), (((1 << bits) - 1) << (bits * f)) * 0x00010001, jnp.int32)
@@ -263,15 +270,12 @@ def _kernel(
     # has the next field); at 2 bits both blocks read the same token byte's words
     token_bytes = [g] if bits == 2 else [g, 8 + g]  # of row g, within the group
     blocks = [(0, 0), (0, 2)] if bits == 2 else [(0, 0), (1, 0)]
-    columns = [(c, k) for c in range(D // 16) for k in range(2)]  # k: channels 2t, 2t + 8
 
     def load(i):
         """Group g0 + i's scale and zero-point pairs and key words of this lane (a group past
         the capacity clamped into it: loaded, not used)."""
         gi = jnp.minimum(g0 + i, last_group)
-        words = [
-            kw_ref[gi * GB + tb, 4 * c + 2 * k + t // 2] for tb in token_bytes for c, k in columns
-        ]
+        words = [kw_ref[gi * GB + tb, 4 * c + t] for tb in token_bytes for c in range(D // 16)]
         return [ks_ref[gi, w] for w in param_loads], [kz_ref[gi, w] for w in param_loads], words
 
     def compute(i, tile, maxima):
@@ -289,11 +293,11 @@ def _kernel(
         bias = bias + shfl_xor(bias, 2, interpret=interpret)  # head g's sum_d q_d z_gd
         bias = [shfl_idx(bias, 8 * t + 4 * e, interpret=interpret) for e in (0, 1)]  # 2t + e
         zero = jnp.zeros_like(words[0])
-        halves = [prmt(x, zero, selector, interpret=interpret) for x in words]
+        halves = [prmt(x, zero, sel, interpret=interpret) for x in words for sel in selectors]
         maxima = list(maxima)
         for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
-            row_words = halves[len(columns) * n :]
+            row_words = halves[2 * (D // 16) * n :]
             acc = [jnp.zeros((32,), jnp.float32)] * 4
             for c in range(D // 16):
                 a = [
