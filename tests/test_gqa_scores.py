@@ -51,6 +51,17 @@ def test_prmt_picks_the_selected_bytes(rng):
         assert out[lane] == int.from_bytes(bytes(both[lane, picks]), "little")
 
 
+def test_exp2_ftz_is_exp2_with_results_below_the_smallest_normal_flushed():
+    # as ex2.approx.ftz.f32 (the softmax weights of both value kernels): 2**x, but 0 below
+    # 2**-126; the PTX itself runs in the value kernels' GPU tests. (XLA's CPU exp2 is itself
+    # approximate near that edge: 4e-6 off at -125.9, 0 at -126.)
+    x = jnp.asarray([0.0, -1.0, -20.5, -125.9, -126.5, -140.0, -1e30], jnp.float32)
+    got = np.asarray(gq.exp2_ftz(x, interpret=True))
+    want = np.exp2(np.asarray(x, np.float64))
+    want[want < 2.0**-126] = 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
 def test_codes_unpack_exactly_into_f16_halves():
     # the kernel's unpacking: a field of two bytes, ORed into 1024.0, minus 1024.0
     for bits in (2, 4):
