@@ -14,7 +14,8 @@ weight of head h against the program's max for it.
   unpacked in registers into exact f16 integers as in `gqa_scores` (PRMT, LOP3 with the
   exponent of 1024, HSUB2). A value byte holds `8 // bits` channels of one token; lane
   l = 4 i + t owns, in each channel group, the 4 channels of its byte(s) (1 byte at 2 bits,
-  2 at 4) and the tokens 4t .. 4t + 3 of each block of 16 (k 2t, 2t + 1, 2t + 8, 2t + 9).
+  2 at 4) and the tokens t, t + 4, t + 8, t + 12 of each block of 16 (k 2t, 2t + 1, 2t + 8,
+  2t + 9), so that the 4 lanes of a head read 4 adjacent logits per load.
   The 8 lanes of a t load their 4 tokens' words between them, one word of 8 each (and one
   scale and one zero-point word of 8), and each takes per group and token the word holding
   its byte(s) from the lane that loaded it (SHFL: a load serves 8 lanes, and a block of 16
@@ -148,7 +149,7 @@ def _kernel(
     def tokens(k, n, start=None):
         """The lane's 4 tokens of block n of tile k (or of the tile at `start`)."""
         start = tile_start(k) if start is None else start
-        return [start + BLOCK * n + 4 * t + a for a in range(4)]
+        return [start + BLOCK * n + t + 4 * a for a in range(4)]
 
     # The 8 lanes of a t share their 4 tokens' words: each loads its share and takes the words
     # it needs from the others by shuffles, so that a load serves 8 lanes, not 1. Value words:
@@ -171,7 +172,7 @@ def _kernel(
         for n in range(blocks):
             toks = tokens(k, n, start)
             codes = [[vw_ref[x, (i + 8 * r) % W] for x in toks] for r in range(code_loads)]
-            tok = start + BLOCK * n + 4 * t + param_a
+            tok = start + BLOCK * n + t + 4 * param_a
             params = (vs_ref[tok, param_w], vz_ref[tok, param_w])
             out.append((codes, params, [s_ref[head, x] for x in toks]))
         return tuple(out)
@@ -223,7 +224,7 @@ def _kernel(
                 b = [
                     pack_f16x2(p[a] * s[a][g], p[a + 1] * s[a + 1][g], interpret=interpret)
                     for a in (0, 2)
-                ]  # b[0]: k 2t, 2t + 1 (tokens 4t, 4t + 1); b[1]: k 2t + 8, 2t + 9
+                ]  # b[0]: k 2t, 2t + 1 (tokens t, t + 4); b[1]: k 2t + 8, 2t + 9
                 for u in range(2):
                     x01, x23 = (
                         prmt(w[a][g], w[a + 1][g], selector[u], interpret=interpret) for a in (0, 2)
