@@ -63,17 +63,25 @@ def test_exp2_ftz_is_exp2_with_results_below_the_smallest_normal_flushed():
 
 
 def test_codes_unpack_exactly_into_f16_halves():
-    # the kernel's unpacking: a field of two bytes, ORed into 1024.0, minus 1024.0
+    # the kernel's unpacking: a field of two bytes ORed into 1024.0 is 1024 + the field, exactly
     for bits in (2, 4):
         for j in range(8 // bits):
             codes = np.arange(256, dtype=np.int32)
             y = codes | (codes[::-1] << 16)  # the two bytes, already in the two halves
             mask = ((1 << bits) - 1) << (bits * j)
-            x = gq.sub_f16x2((jnp.asarray(y) & (mask * 0x00010001)) | gq._MAGIC,
-                             jnp.full((256,), gq._MAGIC, jnp.int32), interpret=True)  # fmt: skip
+            x = gq.and_or(jnp.asarray(y), jnp.int32(mask * 0x00010001), jnp.int32(gq._MAGIC),
+                          interpret=True)  # fmt: skip
             lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
-            np.testing.assert_array_equal(lo, codes & mask)
-            np.testing.assert_array_equal(hi, codes[::-1] & mask)
+            np.testing.assert_array_equal(lo, 1024 + (codes & mask))
+            np.testing.assert_array_equal(hi, 1024 + (codes[::-1] & mask))
+
+
+def test_minus_magic_takes_the_1024s_share_off_an_mma():
+    # the accumulators' start: an mma with A = -1024 everywhere adds -1024 * sum_k B[k, n] to
+    # every row, which cancels the 1024 that every unpacked A entry carries
+    lo, hi = gq.f16_halves(jnp.full((32,), gq._MINUS_MAGIC, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(lo), -1024.0)
+    np.testing.assert_array_equal(np.asarray(hi), -1024.0)
 
 
 def _reference(q, codes, s, z, *, bits, q_scale):

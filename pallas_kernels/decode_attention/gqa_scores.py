@@ -12,9 +12,13 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   mma's k is mapped to channels so that a lane's 4 k of a chunk are the 4 channels of one
   word: each lane loads whole words of its own (none twice: with k = channels in order, two
   lanes loaded each word and a load touched 8 bytes of each of 8 rows). Each register takes
-  two of the word's bytes (one PRMT), keeps one field (c * 2**(bits*j) in each half) with the
-  exponent of 1024 ORed in (one LOP3), and subtracts 1024 (one HSUB2): exact integers. Rows g
-  and g + 8 of a fragment are fields j and j + 1 of the same word.
+  two of the word's bytes (one PRMT) and keeps one field with the exponent of 1024 ORed in
+  (one LOP3): 1024 + c * 2**(bits*j) in each half, exact. The 1024s' share of the sums,
+  1024 sum_d (q_hd s_gd), the same for every token of a group, is taken off once per group:
+  the accumulators start from an mma of B with a constant A of -1024 (8 mma a group at
+  D = 128 instead of an HSUB2 per A register, 64; the cancellation costs the float32 sums
+  about 10 of their 24 bits, errors ~2**-14 of sum_d |q_hd s_gd|, below B's f16 rounding).
+  Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
   A group's scale and zero-point words are read by whole-warp loads (lane l: word l + 32 r)
@@ -58,6 +62,7 @@ from kivi_jax.pallas_kernels.decode_attention import loops
 GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks per group)
 MAX_HEADS = 8  # query heads per KV head: the mma's N
 _MAGIC = 0x64006400  # 1024.0 in both f16 halves
+_MINUS_MAGIC = 0xE400E400 - (1 << 32)  # -1024.0 in both f16 halves (as an int32)
 _F32 = jax.ShapeDtypeStruct((32,), jnp.float32)
 _I32 = jax.ShapeDtypeStruct((32,), jnp.int32)
 
@@ -253,6 +258,7 @@ def _kernel(
     # a word's bytes (0, 1) and (2, 3) -> the two halves' low bytes: k 2t, 2t + 1 and 2t + 8, 2t + 9
     selectors = [jnp.full((32,), x, jnp.int32) for x in (0x4140, 0x4342)]
     magic = jnp.full((32,), _MAGIC, jnp.int32)
+    minus_magic = jnp.full((32,), _MINUS_MAGIC, jnp.int32)
     field_masks = [  # field f of both halves' low bytes
         jnp.full((32,), (((1 << bits) - 1) << (bits * f)) * 0x00010001, jnp.int32)
         for f in range(8 // bits)
@@ -294,17 +300,22 @@ def _kernel(
         bias = [shfl_idx(bias, 8 * t + 4 * e, interpret=interpret) for e in (0, 1)]  # 2t + e
         zero = jnp.zeros_like(words[0])
         halves = [prmt(x, zero, sel, interpret=interpret) for x in words for sel in selectors]
+        start = [jnp.zeros((32,), jnp.float32)] * 4  # -1024 sum_d B[d, n] on every row
+        for c in range(D // 16):
+            start = mma_m16n8k16(
+                [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
+            )
         maxima = list(maxima)
         for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
             row_words = halves[2 * (D // 16) * n :]
-            acc = [jnp.zeros((32,), jnp.float32)] * 4
+            acc = start
             for c in range(D // 16):
                 a = [
-                    sub_f16x2(and_or(y, m, magic, interpret=interpret), magic, interpret=interpret)
+                    and_or(y, m, magic, interpret=interpret)
                     for y in row_words[2 * c : 2 * c + 2]
                     for m in masks
-                ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
+                ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8; 1024 + code
                 acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
             for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
                 score = acc[r] * 2.0 ** (-bits * field) + bias[e]
