@@ -17,7 +17,8 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   1024 sum_d (q_hd s_gd), the same for every token of a group, is taken off once per group:
   the accumulators start from an mma of B with a constant A of -1024 (8 mma a group at
   D = 128 instead of an HSUB2 per A register, 64; the cancellation costs the float32 sums
-  about 10 of their 24 bits, errors ~2**-14 of sum_d |q_hd s_gd|, below B's f16 rounding).
+  about 10 of their 24 bits: estimated errors ~2**-14 of sum_d |q_hd s_gd|, below the f16
+  rounding of B; the GPU tests hold it to the reference).
   Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
