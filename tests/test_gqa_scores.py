@@ -63,7 +63,8 @@ def test_exp2_ftz_is_exp2_with_results_below_the_smallest_normal_flushed():
 
 
 def test_codes_unpack_exactly_into_f16_halves():
-    # the kernel's unpacking: a field of two bytes ORed into 1024.0 is 1024 + the field, exactly
+    # the kernels' unpacking: a field of two bytes ORed into 1024.0 is 1024 + the field, exactly
+    # (the score kernel's A entries); minus 1024.0 it is the field (the value kernel's HSUB2)
     for bits in (2, 4):
         for j in range(8 // bits):
             codes = np.arange(256, dtype=np.int32)
@@ -74,11 +75,16 @@ def test_codes_unpack_exactly_into_f16_halves():
             lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
             np.testing.assert_array_equal(lo, 1024 + (codes & mask))
             np.testing.assert_array_equal(hi, 1024 + (codes[::-1] & mask))
+            x = gq.sub_f16x2(x, jnp.full((256,), gq._MAGIC, jnp.int32), interpret=True)
+            lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
+            np.testing.assert_array_equal(lo, codes & mask)
+            np.testing.assert_array_equal(hi, codes[::-1] & mask)
 
 
-def test_minus_magic_takes_the_1024s_share_off_an_mma():
-    # the accumulators' start: an mma with A = -1024 everywhere adds -1024 * sum_k B[k, n] to
-    # every row, which cancels the 1024 that every unpacked A entry carries
+def test_minus_magic_is_minus_1024_in_both_halves():
+    # the score kernel's accumulators start from an mma with this A, -1024 * sum_k B[k, n] on
+    # every row, cancelling the 1024 each unpacked A entry carries (the kernel tests below check
+    # the scores themselves)
     lo, hi = gq.f16_halves(jnp.full((32,), gq._MINUS_MAGIC, jnp.int32))
     np.testing.assert_array_equal(np.asarray(lo), -1024.0)
     np.testing.assert_array_equal(np.asarray(hi), -1024.0)
