@@ -146,10 +146,14 @@ def _kernel(
     ]
     head = jnp.minimum(i, n_rep - 1)
 
+    def token(start, n, a):
+        """The lane's token a (0..3, or a per-lane index) of block n of the tile at `start`."""
+        return start + BLOCK * n + t + 4 * a
+
     def tokens(k, n, start=None):
         """The lane's 4 tokens of block n of tile k (or of the tile at `start`)."""
         start = tile_start(k) if start is None else start
-        return [start + BLOCK * n + t + 4 * a for a in range(4)]
+        return [token(start, n, a) for a in range(4)]
 
     # The 8 lanes of a t share their 4 tokens' words: each loads its share and takes the words
     # it needs from the others by shuffles, so that a load serves 8 lanes, not 1. Value words:
@@ -172,7 +176,7 @@ def _kernel(
         for n in range(blocks):
             toks = tokens(k, n, start)
             codes = [[vw_ref[x, (i + 8 * r) % W] for x in toks] for r in range(code_loads)]
-            tok = start + BLOCK * n + t + 4 * param_a
+            tok = token(start, n, param_a)
             params = (vs_ref[tok, param_w], vz_ref[tok, param_w])
             out.append((codes, params, [s_ref[head, x] for x in toks]))
         return tuple(out)
