@@ -37,13 +37,16 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import _pow2_divisor, score_ti
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
     # register prefetch), both timed on the H200, with MHA; the default with GQA (the
-    # tensor-core kernels) at Llama-3-8B's 4 query heads per KV head
+    # tensor-core kernels) at Llama-3-8B's 4 query heads per KV head, and its codes as
+    # subnormal mma operands
     (GpuTuning(), 2, 1),
     (GpuTuning(), 4, 1),
     (GpuTuning(score_stages=1), 2, 1),
     (GpuTuning(score_stages=1), 4, 1),
     (GpuTuning(), 2, 4),
     (GpuTuning(), 4, 4),
+    (GpuTuning(mma_codes="subnormal"), 2, 4),
+    (GpuTuning(mma_codes="subnormal"), 4, 4),
 ]
 
 

@@ -329,6 +329,7 @@ def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R
 CC = {"gqa_scores": "cuda_cores", "gqa_values": "cuda_cores"}
 SC = {"gqa_values": "cuda_cores"}
 VC = {"gqa_scores": "cuda_cores"}
+SUB = {"mma_codes": "subnormal"}
 _CPU_CASES = [
     # k_bits, v_bits, D, n_rep, dtype, GpuTuning fields
     (2, 2, 128, 4, jnp.bfloat16, CC),
@@ -339,7 +340,7 @@ _CPU_CASES = [
     (4, 4, 128, 3, jnp.bfloat16, CC),
     (2, 2, 128, 4, jnp.bfloat16, {}),
     (4, 2, 64, 3, jnp.float16, SC),
-    (2, 4, 64, 8, jnp.bfloat16, {}),
+    (2, 4, 64, 8, jnp.bfloat16, SUB),
     (4, 4, 128, 2, jnp.float16, SC),
     (4, 2, 64, 3, jnp.bfloat16, VC),
     (2, 4, 128, 2, jnp.float16, {}),
@@ -581,6 +582,7 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"gqa_program_groups": 0}, "gqa_program_groups must be a positive int"),
         ({"gqa_values": True}, "gqa_values must be 'cuda_cores' or 'tensor_cores'"),
         ({"gqa_value_blocks": 0}, "gqa_value_blocks must be a positive int"),
+        ({"mma_codes": "magic"}, r"mma_codes must be one of \('biased', 'subnormal'\)"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):
@@ -677,6 +679,8 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, kernels):
         (GpuTuning(score_slices=2), 4),  # the sixth round's 4-bit keys (now 1 slice)
         (GpuTuning(score_stages=1), 4),  # the eleventh round's register prefetch
         (GpuTuning(score_stages=4, prefetch=2, score_rows=32), 2),
+        (GpuTuning(mma_codes="subnormal"), 2),
+        (GpuTuning(mma_codes="subnormal", prefetch=2), 4),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning, bits):

@@ -175,6 +175,16 @@ class GpuTuning:
       (a power of two dividing the capacity's blocks, at most this).
     gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
       all n_rep heads (each chunk's residual keys and values held in registers once).
+    mma_codes: how both tensor-core kernels turn codes into the mma's f16 operands
+      (`gqa_scores.code_operand`): "biased" (1024 + code: the code ORed into 1024.0's
+      mantissa, the 1024s taken off by an HSUB2 per operand register in the value kernel and
+      by the accumulators' start, an mma of A = -1024, in the score kernel) or "subnormal"
+      (the code alone under a zero exponent, the f16 subnormal c 2**-24: one AND per
+      register, no HSUB2 nor start, the 2**24 given back with the field's weight at the end;
+      the score kernel's sums then lose no bits to cancelling 1024s). The same result but
+      for rounding. "subnormal" needs tensor cores that take subnormal f16 operands (the GPU
+      tests check it); local SASS, sm_90a, n_rep 4 (`benchmarks/results/sass.md`): see
+      docs/history.md G15.
     """
 
     score_rows: int = 16
@@ -198,6 +208,7 @@ class GpuTuning:
     gqa_values: str = "tensor_cores"
     gqa_value_blocks: int = 2
     gqa_tail_slots: int = 4
+    mma_codes: str = "biased"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -208,6 +219,12 @@ class GpuTuning:
                 if v not in ("cuda_cores", "tensor_cores"):
                     raise ValueError(
                         f"GpuTuning.{f.name} must be 'cuda_cores' or 'tensor_cores', got {v!r}"
+                    )
+                continue
+            if f.name == "mma_codes":
+                if v not in gqa_scores.CODES:
+                    raise ValueError(
+                        f"GpuTuning.mma_codes must be one of {gqa_scores.CODES}, got {v!r}"
                     )
                 continue
             if f.name == "value_interleave":
@@ -828,8 +845,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
             tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
             tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
-            prefetch=tuning.prefetch,
-            interpret=interpret,
+            prefetch=tuning.prefetch, mma_codes=tuning.mma_codes, interpret=interpret,
         )  # fmt: skip
     quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     step = 4 * quads * chain
@@ -924,7 +940,7 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, 
         return gqa_scores.gqa_key_scores(
             q, k_codes, k_scale, k_zero, lengths,
             program_groups=tuning.gqa_groups(n_groups=C // group_size, rows=B * H),
-            prefetch=tuning.prefetch, **common,
+            prefetch=tuning.prefetch, mma_codes=tuning.mma_codes, **common,
         )  # fmt: skip
     return key_scores(q, k_codes, k_scale, k_zero, lengths, tuning=tuning, **common)
 

@@ -11,22 +11,28 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   f16 pairs. A key word holds 4 channels of `8 // bits` tokens (one field per token). The
   mma's k is mapped to channels so that a lane's 4 k of a chunk are the 4 channels of one
   word: each lane loads whole words of its own (none twice: with k = channels in order, two
-  lanes loaded each word and a load touched 8 bytes of each of 8 rows). Each register takes
-  two of the word's bytes (one PRMT) and keeps one field with the exponent of 1024 ORed in
-  (one LOP3): 1024 + c * 2**(bits*j) in each half, exact. The 1024s' share of the sums,
-  1024 sum_d (q_hd s_gd), the same for every token of a group, is taken off once per group:
-  the accumulators start from an mma of B with a constant A of -1024 (8 mma a group at
-  D = 128 instead of an HSUB2 per A register, 64; the cancellation costs the float32 sums
-  about 10 of their 24 bits: estimated errors ~2**-14 of sum_d |q_hd s_gd|, below the f16
-  rounding of B; the GPU tests hold it to the reference).
+  lanes loaded each word and a load touched 8 bytes of each of 8 rows), in the order bytes
+  0, 2, 1, 3: the word holds bytes 0 and 2 in its halves' low bytes, the word shifted right
+  by 8 bytes 1 and 3, so a register is one mask of one of them (`code_operand`, one LOP3;
+  one shift a word, no byte moved). By `GpuTuning.mma_codes`, either
+  - "biased": the field with the exponent of 1024 ORed in, 1024 + c * 2**(bits*j) in each
+    half, exact. The 1024s' share of the sums, 1024 sum_d (q_hd s_gd), the same for every
+    token of a group, is taken off once per group: the accumulators start from an mma of B
+    with a constant A of -1024 (8 mma a group at D = 128 instead of an HSUB2 per A register,
+    64; the cancellation costs the float32 sums about 10 of their 24 bits: estimated errors
+    ~2**-14 of sum_d |q_hd s_gd|, below the f16 rounding of B; the GPU tests hold it to the
+    reference); or
+  - "subnormal": the field alone under a zero exponent, the f16 subnormal c * 2**(bits*j - 24),
+    exact: no start, nothing cancels.
   Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
   A group's scale and zero-point words are read by whole-warp loads (lane l: word l + 32 r)
   and handed to the lanes that need them by SHFL: 8 lanes share each word, and per-lane
   gathers of them held 32 registers of each group in flight, not 4.
-* The field's 2**(bits*j) and the zero points' sum_d q_hd z_gd (summed over a head's 4 lanes
-  by two butterfly shuffles) are applied to the accumulators per row.
+* The field's 2**(bits*j) (and 2**24 for "subnormal") and the zero points' sum_d q_hd z_gd
+  (summed over a head's 4 lanes by two butterfly shuffles) are applied to the accumulators
+  per row.
 
 Every operand lives in registers as a [32]-shaped tensor whose element i sits on lane i (one
 warp, Triton's 1-D blocked layout: the only layout in the kernel's TTGIR, which holds no layout
@@ -64,6 +70,7 @@ GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks 
 MAX_HEADS = 8  # query heads per KV head: the mma's N
 _MAGIC = 0x64006400  # 1024.0 in both f16 halves
 _MINUS_MAGIC = 0xE400E400 - (1 << 32)  # -1024.0 in both f16 halves (as an int32)
+CODES = ("biased", "subnormal")  # how codes become the mma's f16 operands: `code_operand`
 _F32 = jax.ShapeDtypeStruct((32,), jnp.float32)
 _I32 = jax.ShapeDtypeStruct((32,), jnp.int32)
 
@@ -210,6 +217,24 @@ def mma_m16n8k16(a, b, c, *, interpret: bool):
     return out
 
 
+def code_operand(x, mask, magic, *, mma_codes: str, interpret: bool):
+    """The field that `mask` keeps in the low byte of each half of int32 [32] x, as an f16
+    pair for the mma (mma_codes: `CODES`). "biased": ORed into 1024.0's mantissa (`magic`), the
+    f16 number 1024 + field exactly, one LOP3 (the caller takes the 1024s off); "subnormal":
+    the field alone under a zero exponent, the f16 subnormal field * 2**-24 exactly, one AND
+    (`code_unit` gives the scale back; tensor cores take subnormal f16 operands as they are,
+    which the GPU tests check)."""
+    if mma_codes == "subnormal":
+        return x & mask
+    return and_or(x, mask, magic, interpret=interpret)
+
+
+def code_unit(mma_codes: str) -> float:
+    """What one unit of a field counts in `code_operand`'s f16 operands: 1 ("biased", once
+    the 1024s are off) or 2**-24 ("subnormal"); the mma's sums are divided by it."""
+    return 2.0**-24 if mma_codes == "subnormal" else 1.0
+
+
 def param_pair(w, dtype):
     """int32 [32] holding two 16-bit floats of `dtype` (lower channel low) -> (lo, hi) f32."""
     if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
@@ -235,6 +260,7 @@ def _kernel(
     prefetch: int,
     q_scale: float,
     param_dtype,
+    mma_codes: str,
     interpret: bool,
 ):
     slots = s_ref.shape[0]
@@ -244,10 +270,14 @@ def _kernel(
     lane = lax.broadcasted_iota(jnp.int32, (32,), 0)
     g, t = lane // 4, lane % 4  # the lane's A rows g, g + 8 and B column (head) g
     # The mma's k (16 per chunk c of 16 channels) is ours to map to channels: lane t's k
-    # 2t, 2t + 1, 2t + 8, 2t + 9 are the 4 channels 16c + 4t + {0, 1, 2, 3} of key word 4c + t
-    # of a token byte, so that each lane loads whole words of its own and none twice.
-    # B: those channels of chunk c, head g (0 past n_rep)
-    chans = [16 * c + 4 * t + o for c in range(D // 16) for o in range(4)]
+    # 2t, 2t + 1, 2t + 8, 2t + 9 are the channels 16c + 4t + {0, 2, 1, 3} of key word 4c + t
+    # of a token byte (its bytes 0, 2, 1, 3), so that each lane loads whole words of its own
+    # and none twice, and a mask keeps a field of two of them in the two halves' low bytes
+    # with no byte moved: bytes 0 and 2 of the word itself, bytes 1 and 3 of the word shifted
+    # right by 8 (one shift a word). k_order: the lane's channels 16c + 4t + {0, 1, 2, 3}
+    # (index 4c + o) in k order. B: those channels of chunk c, head g (0 past n_rep)
+    k_order = [4 * c + o for c in range(D // 16) for o in (0, 2, 1, 3)]
+    chans = [16 * (x // 4) + 4 * t + x % 4 for x in k_order]
     # The same as pairs (words of two channels): pairs 8c + 2t + {0, 1}. A group's D / 2 scale
     # (and zero-point) words are loaded once by the warp, lane l holding word l + 32 r of load r
     # (wrapped below D / 2), and each lane takes its pairs from the lane that loaded them.
@@ -256,8 +286,7 @@ def _kernel(
     pair_src = [(c // 4, 8 * (c % 4) + 2 * t + o) for c in range(D // 16) for o in (0, 1)]
     head = jnp.minimum(g, n_rep - 1)
     q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
-    # a word's bytes (0, 1) and (2, 3) -> the two halves' low bytes: k 2t, 2t + 1 and 2t + 8, 2t + 9
-    selectors = [jnp.full((32,), x, jnp.int32) for x in (0x4140, 0x4342)]
+    subnormal = mma_codes == "subnormal"
     magic = jnp.full((32,), _MAGIC, jnp.int32)
     minus_magic = jnp.full((32,), _MINUS_MAGIC, jnp.int32)
     field_masks = [  # field f of both halves' low bytes
@@ -289,8 +318,8 @@ def _kernel(
         gi = g0 + i
         *params, words = tile
         ks, kz = ([shfl_idx(x[r], src, interpret=interpret) for r, src in pair_src] for x in params)
-        s = [v for w in ks for v in param_pair(w, param_dtype)]
-        z = [v for w in kz for v in param_pair(w, param_dtype)]
+        s, z = ([v for w in x for v in param_pair(w, param_dtype)] for x in (ks, kz))
+        s, z = [s[x] for x in k_order], [z[x] for x in k_order]
         b = [
             pack_f16x2(q[k] * s[k], q[k + 1] * s[k + 1], interpret=interpret)
             for k in range(0, len(q), 2)
@@ -299,13 +328,15 @@ def _kernel(
         bias = bias + shfl_xor(bias, 1, interpret=interpret)
         bias = bias + shfl_xor(bias, 2, interpret=interpret)  # head g's sum_d q_d z_gd
         bias = [shfl_idx(bias, 8 * t + 4 * e, interpret=interpret) for e in (0, 1)]  # 2t + e
-        zero = jnp.zeros_like(words[0])
-        halves = [prmt(x, zero, sel, interpret=interpret) for x in words for sel in selectors]
-        start = [jnp.zeros((32,), jnp.float32)] * 4  # -1024 sum_d B[d, n] on every row
-        for c in range(D // 16):
-            start = mma_m16n8k16(
-                [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
-            )
+        # bytes (0, 2) and (1, 3) of each word in the halves' low bytes: k 2t, 2t + 1 and
+        # 2t + 8, 2t + 9
+        halves = [y for x in words for y in (x, lax.shift_right_logical(x, 8))]
+        start = [jnp.zeros((32,), jnp.float32)] * 4
+        if not subnormal:  # -1024 sum_d B[d, n] on every row
+            for c in range(D // 16):
+                start = mma_m16n8k16(
+                    [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
+                )
         maxima = list(maxima)
         for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
@@ -313,13 +344,13 @@ def _kernel(
             acc = start
             for c in range(D // 16):
                 a = [
-                    and_or(y, m, magic, interpret=interpret)
+                    code_operand(y, m, magic, mma_codes=mma_codes, interpret=interpret)
                     for y in row_words[2 * c : 2 * c + 2]
                     for m in masks
-                ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8; 1024 + code
+                ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
                 acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
             for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
-                score = acc[r] * 2.0 ** (-bits * field) + bias[e]
+                score = acc[r] * (2.0 ** (-bits * field) / code_unit(mma_codes)) + bias[e]
                 token = gi * G + kpb * token_bytes[n] + field
                 plgpu.store(s_ref.at[out_slot[e], token], score, mask=stored[e])
                 maxima[e] = jnp.maximum(maxima[e], score)
@@ -340,7 +371,7 @@ def _kernel(
 
 def gqa_key_scores(
     q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size, residual_length,
-    program_groups, prefetch, interpret,
+    program_groups, prefetch, mma_codes, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
     [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, slots, C] (head
@@ -348,7 +379,7 @@ def gqa_key_scores(
     [B, H, slots, M] (8 per program, P programs of `program_groups` key groups per row,
     their loads issued `prefetch` groups ahead; -1e30 where a lane held no logit; M = 8 P
     rounded up to a power of two, the columns past 8 P -1e30, so that a value program reads
-    them in one load where M <= 1024)."""
+    them in one load where M <= 1024). mma_codes: the mma's operands, `code_operand`."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
@@ -372,6 +403,7 @@ def gqa_key_scores(
             prefetch=prefetch,
             q_scale=q_scale,
             param_dtype=k_scale.dtype,
+            mma_codes=mma_codes,
             interpret=interpret,
         ),
         grid=(B, H, P),

@@ -11,24 +11,25 @@ for channel d of channel group g (G = 32 channels), p_ht = 2**(logit - m_h) the 
 weight of head h against the program's max for it.
 
 * A (16 x 16, rows = 16 channels of one channel group, k = 16 tokens): the value codes,
-  unpacked in registers into exact f16 integers as in `gqa_scores` (PRMT, LOP3 with the
-  exponent of 1024, HSUB2). A value byte holds `8 // bits` channels of one token; lane
-  l = 4 i + t owns, in each channel group, the 4 channels of its byte(s) (1 byte at 2 bits,
-  2 at 4) and the tokens t, t + 4, t + 8, t + 12 of each block of 16 (k 2t, 2t + 1, 2t + 8,
-  2t + 9), so that the 4 lanes of a head read 4 adjacent logits per load.
-  The 8 lanes of a t load their 4 tokens' words between them, one word of 8 each (and one
-  scale and one zero-point word of 8), and each takes per group and token the word holding
-  its byte(s) from the lane that loaded it (SHFL: a load serves 8 lanes, and a block of 16
-  tokens in flight holds 10 registers a lane at 2 bits and D = 128, not 36). One
-  PRMT per pair of tokens puts byte b of each in the two halves, one LOP3 per field keeps a
+  unpacked in registers into exact f16 numbers as `gqa_scores.code_operand` makes them, by
+  `GpuTuning.mma_codes`: integers ("biased": a LOP3 with the exponent of 1024, then an HSUB2
+  of 1024) or subnormals c * 2**-24 ("subnormal": one AND). A value byte holds `8 // bits`
+  channels of one token; lane l = 4 i + t owns, in each channel group, the 4 channels of its
+  byte(s) (1 byte at 2 bits, 2 at 4) and the tokens t, t + 4, t + 8, t + 12 of each block of
+  16 (k 2t, 2t + 1, 2t + 8, 2t + 9), so that the 4 lanes of a head read 4 adjacent logits per
+  load. The 8 lanes of a t load their 4 tokens' words between them, one word of 8 each (and
+  one scale and one zero-point word of 8), and each takes per group and token the word
+  holding its byte(s) from the lane that loaded it (SHFL: a load serves 8 lanes, and a block
+  of 16 tokens in flight holds 10 registers a lane at 2 bits and D = 128, not 36). One PRMT
+  per pair of tokens puts byte b of each in the two halves, one LOP3 per field keeps a
   channel's code. Of the group's two 16-row tiles, rows i and i + 8 are the lane's fields
   (2u, 2u + 1) at 2 bits, fields (0, 1) of byte u at 4 bits.
 * B (16 x 8, k = tokens, n = heads): p_ht s_tg in f16 (p <= 1; relative error 2**-11 per
   term, sums in float32), computed by the lane for its head i and its 4 tokens; heads past
   n_rep are 0.
-* The field's 2**(bits*j), the zero points' sum_t p_ht z_tg and the weights' sum_t p_ht
-  (float32 on CUDA cores, each lane over its 4 tokens, then summed over a head's 4 lanes by
-  two butterfly shuffles) are applied to the accumulators at the end.
+* The field's 2**(bits*j) (and 2**24 for "subnormal"), the zero points' sum_t p_ht z_tg and
+  the weights' sum_t p_ht (float32 on CUDA cores, each lane over its 4 tokens, then summed
+  over a head's 4 lanes by two butterfly shuffles) are applied to the accumulators at the end.
 
 Before its tokens, a program takes its share of the residual tail for each head and the row's
 max over the score programs' maxima (`residual`), as the CUDA-core kernel does; its outputs
@@ -52,7 +53,8 @@ from kivi_jax.pallas_kernels.decode_attention import loops, residual
 from kivi_jax.pallas_kernels.decode_attention.gqa_scores import (
     _MAGIC,
     MAX_HEADS,
-    and_or,
+    code_operand,
+    code_unit,
     exp2_ftz,
     mma_m16n8k16,
     pack_f16x2,
@@ -113,6 +115,7 @@ def _kernel(
     q_scale: float,
     param_dtype,
     prefetch: int,
+    mma_codes: str,
     interpret: bool,
 ):
     n_rep, D = q_ref.shape
@@ -200,9 +203,11 @@ def _kernel(
         ot_ref[h, :] = o_t * jnp.exp2(m_t - m[h])
         l_tail.append(l_t * jnp.exp2(m_t - m[h]))
     m_lane = _select(m, head)  # head i's max
-    unpack = lambda x, f: sub_f16x2(
-        and_or(x, field_masks[f], magic, interpret=interpret), magic, interpret=interpret
-    )  # f16 pair of field f: c * 2**(bits*f), exact
+
+    def unpack(x, f):
+        """f16 pair of field f: c * 2**(bits*f) in units of `code_unit(mma_codes)`, exact."""
+        y = code_operand(x, field_masks[f], magic, mma_codes=mma_codes, interpret=interpret)
+        return y if mma_codes == "subnormal" else sub_f16x2(y, magic, interpret=interpret)
 
     def compute(k, tile, carry):
         acc, pz, ls = list(carry[0]), list(carry[1]), carry[2]
@@ -261,14 +266,14 @@ def _kernel(
         f0, f1 = fields[u]
         for r, (f, e) in enumerate([(f0, 0), (f0, 1), (f1, 0), (f1, 1)]):
             channel = (first_byte[g] + (u if vpb == 2 else 0)) * vpb + f
-            value = regs[r] * 2.0 ** (-bits * f) + pz[g][e]
+            value = regs[r] * (2.0 ** (-bits * f) / code_unit(mma_codes)) + pz[g][e]
             plgpu.store(o_ref.at[out_head[e], channel], value, mask=stored[e])
 
 
 def gqa_weighted_values(
     q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, *,
     q_scale, bits, group_size, splits, blocks, tokens_per_split, interleave, tail_slots,
-    max_chunk, prefetch, interpret,
+    max_chunk, prefetch, mma_codes, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, Pm] (either
     score kernel's; slot h < n_rep read), v_codes uint8 [B, H, C, D / vpb], v_scale / v_zero
@@ -277,7 +282,8 @@ def gqa_weighted_values(
     share [B, H, n_rep, S, D], and the weights' sum [B, H, n_rep, S]. S = `splits` programs
     per (sequence, KV head), `blocks` blocks of 16 tokens per iteration, tokens_per_split (a
     multiple of 16 blocks) tokens each, their loads `prefetch` iterations ahead; the tail in
-    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time."""
+    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time. mma_codes: the
+    mma's operands, `gqa_scores.code_operand`."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, v_bits=bits)
     if reason is not None:
@@ -301,6 +307,7 @@ def gqa_weighted_values(
             q_scale=q_scale,
             param_dtype=v_scale.dtype,
             prefetch=prefetch,
+            mma_codes=mma_codes,
             interpret=interpret,
         ),
         grid=(B, H, splits),
