@@ -41,8 +41,6 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _byte_transpose,
-    _dp2a,
-    _dp4a,
     _field_mask,
     _fold_query,
     _int8_parts,
@@ -100,40 +98,6 @@ def test_field_masks_keep_one_token_per_byte(bits):
         masked = np.asarray(words & _field_mask(j, bits)).view(np.uint8).reshape(256, 4)
         expected = np.stack([codes[:, j], codes[::-1, j]] * 2, axis=1) << (bits * j)
         np.testing.assert_array_equal(masked, expected)
-
-
-def test_dp4a_is_the_byte_dot_product(rng):
-    """The interpret-mode IDP.4A: c + sum of a's unsigned bytes times b's signed bytes."""
-    a = rng.integers(0, 256, (1000, 4), dtype=np.uint8)
-    b = rng.integers(-128, 128, (1000, 4), dtype=np.int8)
-    c = rng.integers(-(2**20), 2**20, 1000, dtype=np.int32)
-    out = _dp4a(
-        jnp.asarray(a.view(np.int32)[:, 0]),
-        jnp.asarray(b.view(np.int32)[:, 0]),
-        jnp.asarray(c),
-        interpret=True,
-    )
-    expected = c + (a.astype(np.int64) * b.astype(np.int64)).sum(axis=1)
-    np.testing.assert_array_equal(np.asarray(out), expected)
-
-
-@pytest.mark.parametrize("high", [False, True])
-def test_dp2a_is_the_half_word_dot_product(rng, high):
-    """The interpret-mode IDP.2A: c + a's two signed 16-bit halves times b's unsigned bytes
-    0 and 1 (or, high, 2 and 3)."""
-    a = rng.integers(-(2**15), 2**15, (1000, 2), dtype=np.int16)
-    b = rng.integers(0, 256, (1000, 4), dtype=np.uint8)
-    c = rng.integers(-(2**20), 2**20, 1000, dtype=np.int32)
-    out = _dp2a(
-        jnp.asarray(a.view(np.int32)[:, 0]),
-        jnp.asarray(b.view(np.int32)[:, 0]),
-        jnp.asarray(c),
-        high=high,
-        interpret=True,
-    )
-    pair = b[:, 2:] if high else b[:, :2]
-    expected = c + (a.astype(np.int64) * pair.astype(np.int64)).sum(axis=1)
-    np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 @pytest.mark.parametrize(("n", "bound"), [(1, 254), (2, 64516)])

@@ -1,7 +1,7 @@
 """The tensor-core GQA score kernel (`pallas_kernels/decode_attention/gqa_scores.py`): its
-lane-level building blocks against their definitions, and its logits against float64 on fresh
-random codes (interpret mode on the CPU; the same on a GPU with -m gpu). The whole decode step
-with it: test_decode_attention_kernel.py (`gqa_scores="tensor_cores"`)."""
+code formats, and its logits against float64 on fresh random codes (interpret mode on the CPU;
+the same on a GPU with -m gpu). Its lane-level PTX: test_ptx.py. The whole decode step with it:
+test_decode_attention_kernel.py (`gqa_scores="tensor_cores"`)."""
 
 from __future__ import annotations
 
@@ -13,53 +13,9 @@ import numpy as np
 import pytest
 from conftest import triton_modules
 from kivi_jax.pallas_kernels.decode_attention import gqa_scores as gq
+from kivi_jax.pallas_kernels.decode_attention import ptx
 
 LOG2E = 1.4426950408889634
-
-
-def test_warp_mma_is_the_16x16_by_16x8_product(rng):
-    # the fragments as the PTX ISA lays out m16n8k16 (row g = lane // 4, t = lane % 4)
-    A = rng.normal(size=(16, 16)).astype(np.float16).astype(np.float32)
-    B = rng.normal(size=(16, 8)).astype(np.float16).astype(np.float32)
-    g, t = np.arange(32) // 4, np.arange(32) % 4
-    pack = functools.partial(gq.pack_f16x2, interpret=True)
-    f = lambda M, r, k: (jnp.asarray(M[r, k]), jnp.asarray(M[r, k + 1]))
-    a = [
-        pack(*f(A, r, k))
-        for r, k in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]
-    ]
-    b = [pack(*f(B.T, g, k)) for k in (2 * t, 2 * t + 8)]
-    c = [jnp.full((32,), 1.0)] * 4
-    d = [np.asarray(x) for x in gq.mma_m16n8k16(a, b, c, interpret=True)]
-    want = A @ B + 1.0
-    for x, (r, col) in zip(
-        d, [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)], strict=True
-    ):
-        np.testing.assert_allclose(x, want[r, col], rtol=1e-6, atol=1e-5)
-
-
-def test_prmt_picks_the_selected_bytes(rng):
-    a, b = (jnp.asarray(rng.integers(-(2**31), 2**31, 32), jnp.int32) for _ in range(2))
-    sel = jnp.asarray(rng.integers(0, 2**16, 32), jnp.int32)
-    out = np.asarray(gq.prmt(a, b, sel, interpret=True)).view(np.uint32)
-    both = np.stack(
-        [np.asarray(a).view(np.uint8).reshape(32, 4), np.asarray(b).view(np.uint8).reshape(32, 4)],
-        1,
-    ).reshape(32, 8)
-    for lane in range(32):
-        picks = [(int(sel[lane]) >> (4 * i)) & 7 for i in range(4)]
-        assert out[lane] == int.from_bytes(bytes(both[lane, picks]), "little")
-
-
-def test_exp2_ftz_is_exp2_with_results_below_the_smallest_normal_flushed():
-    # as ex2.approx.ftz.f32 (the softmax weights of both value kernels): 2**x, but 0 below
-    # 2**-126; the PTX itself runs in the value kernels' GPU tests. (XLA's CPU exp2 is itself
-    # approximate near that edge: 4e-6 off at -125.9, 0 at -126.)
-    x = jnp.asarray([0.0, -1.0, -20.5, -125.9, -126.5, -140.0, -1e30], jnp.float32)
-    got = np.asarray(gq.exp2_ftz(x, interpret=True))
-    want = np.exp2(np.asarray(x, np.float64))
-    want[want < 2.0**-126] = 0.0
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
 def test_codes_unpack_exactly_into_f16_halves():
@@ -70,13 +26,13 @@ def test_codes_unpack_exactly_into_f16_halves():
             codes = np.arange(256, dtype=np.int32)
             y = codes | (codes[::-1] << 16)  # the two bytes, already in the two halves
             mask = ((1 << bits) - 1) << (bits * j)
-            x = gq.and_or(jnp.asarray(y), jnp.int32(mask * 0x00010001), jnp.int32(gq._MAGIC),
+            x = ptx.and_or(jnp.asarray(y), jnp.int32(mask * 0x00010001), jnp.int32(gq._MAGIC),
                           interpret=True)  # fmt: skip
-            lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
+            lo, hi = (np.asarray(h) for h in ptx.f16_halves(x))
             np.testing.assert_array_equal(lo, 1024 + (codes & mask))
             np.testing.assert_array_equal(hi, 1024 + (codes[::-1] & mask))
-            x = gq.sub_f16x2(x, jnp.full((256,), gq._MAGIC, jnp.int32), interpret=True)
-            lo, hi = (np.asarray(h) for h in gq.f16_halves(x))
+            x = ptx.sub_f16x2(x, jnp.full((256,), gq._MAGIC, jnp.int32), interpret=True)
+            lo, hi = (np.asarray(h) for h in ptx.f16_halves(x))
             np.testing.assert_array_equal(lo, codes & mask)
             np.testing.assert_array_equal(hi, codes[::-1] & mask)
 
@@ -92,7 +48,7 @@ def test_subnormal_codes_are_the_fields_times_2_to_the_minus_24():
             x = gq.code_operand(jnp.asarray(y), jnp.int32(mask * 0x00010001), None,
                                 mma_codes="subnormal", interpret=True)  # fmt: skip
             lo, hi = (
-                np.asarray(h, np.float64) / gq.code_unit("subnormal") for h in gq.f16_halves(x)
+                np.asarray(h, np.float64) / gq.code_unit("subnormal") for h in ptx.f16_halves(x)
             )
             np.testing.assert_array_equal(lo, codes & mask)  # byte 0
             np.testing.assert_array_equal(hi, codes[::-1] & mask)  # byte 2
@@ -102,7 +58,7 @@ def test_minus_magic_is_minus_1024_in_both_halves():
     # the score kernel's accumulators start from an mma with this A, -1024 * sum_k B[k, n] on
     # every row, cancelling the 1024 each unpacked A entry carries (the kernel tests below check
     # the scores themselves)
-    lo, hi = gq.f16_halves(jnp.full((32,), gq._MINUS_MAGIC, jnp.int32))
+    lo, hi = ptx.f16_halves(jnp.full((32,), gq._MINUS_MAGIC, jnp.int32))
     np.testing.assert_array_equal(np.asarray(lo), -1024.0)
     np.testing.assert_array_equal(np.asarray(hi), -1024.0)
 

@@ -1,7 +1,7 @@
 """The tensor-core GQA value kernel (`pallas_kernels/decode_attention/gqa_values.py`): its
 partial softmaxes, merged, against float64 on fresh random codes, logits and residuals
-(interpret mode on the CPU; the same on a GPU with -m gpu). Its lane-level operations:
-test_gqa_scores.py. The whole decode step with it: test_decode_attention_kernel.py
+(interpret mode on the CPU; the same on a GPU with -m gpu). Its lane-level PTX:
+test_ptx.py. The whole decode step with it: test_decode_attention_kernel.py
 (`gqa_values="tensor_cores"`)."""
 
 from __future__ import annotations

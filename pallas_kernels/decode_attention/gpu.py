@@ -80,6 +80,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     gqa_scores,
     gqa_values,
     loops,
+    ptx,
     residual,
     state,
     triton_stages,
@@ -338,6 +339,13 @@ def value_tiles(tuning: GpuTuning, *, capacity: int, v_bits: int) -> tuple[int, 
     return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
 
 
+def gqa_value_tiles(tuning: GpuTuning, *, capacity: int) -> int:
+    """Blocks of 16 tokens per iteration that the tensor-core value kernel runs with
+    (`gqa_values.gqa_weighted_values`): a power of two dividing the capacity's blocks, at most
+    `tuning.gqa_value_blocks`."""
+    return _pow2_divisor(capacity // gqa_values.BLOCK, tuning.gqa_value_blocks)
+
+
 def _score_tile_start(k, *, g_base, program_groups: int, groups_per_iter: int, n_groups: int):
     """The first group (within its program) of tile k of the score program whose first group
     is g_base. Tiles past the program's last, or past the capacity's last group (the last
@@ -375,74 +383,10 @@ def _field_mask(j: int, bits: int) -> int:
     return m - (1 << 32) if m >= 1 << 31 else m
 
 
-def _dp4a(a, b, c, *, interpret: bool):
-    """c + sum_i a_i * b_i over the 4 bytes of int32 words: a's unsigned, b's signed.
-
-    On the GPU this is one instruction (IDP.4A); in interpret mode the same integer sum.
-    """
-    if interpret:
-        for i in range(4):
-            a_i = lax.shift_right_logical(a, 8 * i) & 0xFF
-            b_i = lax.shift_right_arithmetic(lax.shift_left(b, 24 - 8 * i), 24)
-            c = c + a_i * b_i
-        return c
-    [out] = plgpu.elementwise_inline_asm(
-        "dp4a.u32.s32 $0, $1, $2, $3;",
-        args=[a, b, c],
-        constraints="=r,r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
-    )
-    return out
-
-
-def _dp2a(a, b, c, *, high: bool, interpret: bool):
-    """c + a_0 * b_k + a_1 * b_(k+1): a's two signed 16-bit halves times two of b's unsigned
-    bytes, k = 0 (bytes 0 and 1) or, with `high`, 2 (bytes 2 and 3).
-
-    On the GPU this is one instruction (IDP.2A); in interpret mode the same integer sum.
-    """
-    k = 2 if high else 0
-    if interpret:
-        for i in range(2):
-            a_i = lax.shift_right_arithmetic(lax.shift_left(a, 16 - 16 * i), 16)
-            b_i = lax.shift_right_logical(b, 8 * (k + i)) & 0xFF
-            c = c + a_i * b_i
-        return c
-    [out] = plgpu.elementwise_inline_asm(
-        f"dp2a.{'hi' if high else 'lo'}.s32.u32 $0, $1, $2, $3;",
-        args=[a, b, c],
-        constraints="=r,r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
-    )
-    return out
-
-
-def _prmt(a, b, selector: int, *, interpret: bool):
-    """PRMT: byte i of the result is byte (selector >> 4i) & 7 of the 8 bytes of (b, a), a's
-    bytes first (one instruction on the GPU; the same bytes in interpret mode)."""
-    if interpret:
-        out = jnp.zeros_like(a)
-        for i in range(4):
-            k = (selector >> (4 * i)) & 7
-            byte = lax.shift_right_logical(a if k < 4 else b, 8 * (k % 4)) & 0xFF
-            out = out | lax.shift_left(byte, 8 * i)
-        return out
-    [out] = plgpu.elementwise_inline_asm(
-        f"prmt.b32 $0, $1, $2, {selector:#06x};",
-        args=[a, b],
-        constraints="=r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
-    )
-    return out
-
-
 def _byte_transpose(words, *, interpret: bool):
     """4 int32 tiles (one word of 4 tokens) -> 4 tiles, tile r holding byte r of token a's word
     in its byte a: a 4x4 byte transpose in 8 PRMT."""
-    prmt = functools.partial(_prmt, interpret=interpret)
+    prmt = functools.partial(ptx.prmt, interpret=interpret)
     w0, w1, w2, w3 = words
     lo01, hi01 = prmt(w0, w1, 0x5140), prmt(w0, w1, 0x7362)  # bytes 0, 1 / 2, 3 interleaved
     lo23, hi23 = prmt(w2, w3, 0x5140), prmt(w2, w3, 0x7362)
@@ -456,7 +400,7 @@ def _byte_transpose(words, *, interpret: bool):
 
 def _pack_bytes(x, *, interpret: bool):
     """4 int32 tiles -> one, the low byte of tile a in byte a (3 PRMT)."""
-    prmt = functools.partial(_prmt, interpret=interpret)
+    prmt = functools.partial(ptx.prmt, interpret=interpret)
     return prmt(prmt(x[0], x[1], 0x5140), prmt(x[2], x[3], 0x5140), 0x5410)
 
 
@@ -575,7 +519,7 @@ def _score_kernel(
             for s in range(nS):
                 x = words[s] & _field_mask(j, bits)  # c * 2**(bits*j) in every byte
                 for half in range(2):
-                    acc = _dp2a(q8[half][s], x, acc, high=half == 1, interpret=interpret)
+                    acc = ptx.dp2a(q8[half][s], x, acc, high=half == 1, interpret=interpret)
             total = jnp.sum(acc, axis=2)  # [n1, GB]
             scale = (coef * 2.0 ** (-bits * j))[:, None]
             sc.append(total.astype(jnp.float32) * scale + bias[:, None])
@@ -680,7 +624,7 @@ def _value_kernel(
             for a, (_, vs, vz, logits) in enumerate(sub):
                 p = jnp.where(  # [quads]
                     t0 + 4 * quad + a < end,
-                    gqa_scores.exp2_ftz(logits - m, interpret=interpret),
+                    ptx.exp2_ftz(logits - m, interpret=interpret),
                     0.0,
                 )
                 w[c].append(p[:, None] * vs.astype(jnp.float32))
@@ -707,7 +651,7 @@ def _value_kernel(
                 for c in range(chain):
                     x = tokens[c][r] & _field_mask(j, bits)  # c * 2**(bits*j) of 4 tokens
                     for i in range(parts):
-                        sums[i] = _dp4a(x, packed[c][i], sums[i], interpret=interpret)
+                        sums[i] = ptx.dp4a(x, packed[c][i], sums[i], interpret=interpret)
                 f = r * vpb + j
                 acc[f] = acc[f] + _join_parts(sums).astype(jnp.float32) * coef
         return tuple(acc), pz, ls
@@ -837,7 +781,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     if tensor_cores and not gqa_values.supported_reason(
         n_rep=n_rep, group_size=G, head_dim=D, v_bits=bits
     ):
-        blocks = _pow2_divisor(C // gqa_values.BLOCK, tuning.gqa_value_blocks)
+        blocks = gqa_value_tiles(tuning, capacity=C)
         step = gqa_values.BLOCK * blocks
         S, steps_per_split = _splits(tuning, n_steps=C // step, rows=B * H)
         return gqa_values.gqa_weighted_values(

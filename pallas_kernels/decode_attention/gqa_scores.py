@@ -38,9 +38,9 @@ Every operand lives in registers as a [32]-shaped tensor whose element i sits on
 warp, Triton's 1-D blocked layout: the only layout in the kernel's TTGIR, which holds no layout
 conversion and no shared memory), loaded lane by lane (gathers): the fragments are built
 where the `mma` reads them, with nothing staged through shared memory (the layout conversion
-that made a `pl.dot` kernel slow: docs/history.md, G1). The mma, PRMT, f16 packing and
-shuffles are inline PTX; in interpret mode each has a jnp twin that computes the warp's
-result on the 32 lanes, so the CPU tests check the fragment bookkeeping exactly.
+that made a `pl.dot` kernel slow: docs/history.md, G1). The mma, LOP3, f16 packing and
+shuffles are inline PTX (`ptx`); in interpret mode each has a jnp twin that computes the
+warp's result on the 32 lanes, so the CPU tests check the fragment bookkeeping exactly.
 
 Outputs as `gpu.key_scores`, but with `head_slots(n_rep)` head slots (lanes whose
 accumulator columns lie past them store nothing: masked stores): logits [B, H, slots, C]
@@ -65,14 +65,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kivi_jax.pallas_kernels.decode_attention import loops
+from kivi_jax.pallas_kernels.decode_attention.ptx import (
+    and_or,
+    f16_halves,
+    mma_m16n8k16,
+    pack_f16x2,
+    shfl_idx,
+    shfl_xor,
+)
 
 GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks per group)
 MAX_HEADS = 8  # query heads per KV head: the mma's N
 _MAGIC = 0x64006400  # 1024.0 in both f16 halves
 _MINUS_MAGIC = 0xE400E400 - (1 << 32)  # -1024.0 in both f16 halves (as an int32)
 CODES = ("biased", "subnormal")  # how codes become the mma's f16 operands: `code_operand`
-_F32 = jax.ShapeDtypeStruct((32,), jnp.float32)
-_I32 = jax.ShapeDtypeStruct((32,), jnp.int32)
 
 
 def head_slots(n_rep: int) -> int:
@@ -92,129 +98,6 @@ def supported_reason(*, n_rep: int, group_size: int, head_dim: int, k_bits: int)
     if k_bits not in (2, 4):
         return f"k_bits={k_bits}: the tensor-core score kernel takes 2 and 4"
     return None
-
-
-def _asm(asm: str, args, constraints: str, out=_I32):
-    """One inline-PTX result per lane (jax's lowering takes one result per asm)."""
-    [r] = plgpu.elementwise_inline_asm(
-        asm, args=args, constraints=constraints, pack=1, result_shape_dtypes=[out]
-    )
-    return r
-
-
-def f16_halves(x):
-    """int32 [32] -> (low, high) f16 halves as float32 [32]."""
-    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-    return (
-        half(x & 0xFFFF).astype(jnp.float32),
-        half(lax.shift_right_logical(x, 16)).astype(jnp.float32),
-    )
-
-
-def pack_f16x2(lo, hi, *, interpret: bool):
-    """float32 [32] pair -> int32 [32]: f16(lo) in the low half, f16(hi) in the high half."""
-    if interpret:
-        bits = lambda x: lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
-        return bits(lo).astype(jnp.int32) | (bits(hi).astype(jnp.int32) << 16)
-    return _asm("cvt.rn.f16x2.f32 $0, $1, $2;", [hi, lo], "=r,f,f")
-
-
-def and_or(x, mask, bits, *, interpret: bool):
-    """(x & mask) | bits in one LOP3 (int32 [32] each; ptxas would spend two where both
-    constants are immediates)."""
-    if interpret:
-        return (x & mask) | bits
-    return _asm("lop3.b32 $0, $1, $2, $3, 0xEA;", [x, mask, bits], "=r,r,r,r")
-
-
-def sub_f16x2(x, y, *, interpret: bool):
-    """Halfwise f16 x - y of int32 [32] words."""
-    if interpret:
-        (x0, x1), (y0, y1) = f16_halves(x), f16_halves(y)
-        return pack_f16x2(x0 - y0, x1 - y1, interpret=True)
-    return _asm("sub.f16x2 $0, $1, $2;", [x, y], "=r,r,r")
-
-
-def prmt(a, b, selector, *, interpret: bool):
-    """PRMT with a per-lane selector: byte i of the result is byte (selector >> 4i) & 7 of
-    the 8 bytes of (b, a), a's first."""
-    if interpret:
-        out = jnp.zeros_like(a)
-        for i in range(4):
-            k = lax.shift_right_logical(selector, 4 * i) & 7
-            byte = lax.shift_right_logical(jnp.where(k < 4, a, b), 8 * (k % 4)) & 0xFF
-            out = out | (byte << (8 * i))
-        return out
-    return _asm("prmt.b32 $0, $1, $2, $3;", [a, b, selector], "=r,r,r,r")
-
-
-def exp2_ftz(x, *, interpret: bool):
-    """2**x of float32 x (any shape) in one MUFU.EX2 (`ex2.approx.ftz.f32`): results below 2**-126
-    (the smallest normal float32) flush to 0, where jnp.exp2's lowering spends a compare and
-    two multiplies per element to keep them; otherwise the same instruction."""
-    if interpret:
-        r = jnp.exp2(x)
-        return jnp.where(r < jnp.finfo(jnp.float32).tiny, 0.0, r)
-    return _asm("ex2.approx.ftz.f32 $0, $1;", [x], "=f,f", jax.ShapeDtypeStruct(x.shape, x.dtype))
-
-
-def shfl_xor(x, mask: int, *, interpret: bool):
-    """Lane i gets float32 x of lane i ^ mask."""
-    if interpret:
-        return x[jnp.arange(32) ^ mask]
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    r = _asm(f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", [bits], "=r,r")
-    return lax.bitcast_convert_type(r, jnp.float32)
-
-
-def shfl_idx(x, src, *, interpret: bool):
-    """Lane i gets x (float32 or int32 [32]) of lane src[i]."""
-    if interpret:
-        return x[src]
-    bits = lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32 else x
-    r = _asm("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", [bits, src], "=r,r,r")
-    return lax.bitcast_convert_type(r, jnp.float32) if x.dtype == jnp.float32 else r
-
-
-def mma_m16n8k16(a, b, c, *, interpret: bool):
-    """The warp's D = A B + C, `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`.
-
-    Fragments as the PTX ISA lays them out ("Matrix Fragments for mma.m16n8k16 with floating
-    point type"): lane l = 4 g + t holds A (16 x 16 f16) as a[0]: row g, k 2t and 2t + 1 (low
-    half first); a[1]: row g + 8; a[2]: row g, k 2t + 8, 2t + 9; a[3]: row g + 8, k 2t + 8,
-    2t + 9;
-    B (16 x 8) as b[0]: k 2t, 2t + 1 of column g; b[1]: k 2t + 8, 2t + 9; C and D (16 x 8
-    float32) as c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]: row g + 8.
-    """
-    if interpret:
-        lane = jnp.arange(32)
-        g, t = lane // 4, lane % 4
-        A = jnp.zeros((16, 16), jnp.float32)
-        for reg, (row, k) in zip(
-            a, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)], strict=True
-        ):
-            lo, hi = f16_halves(reg)
-            A = A.at[row, k].set(lo).at[row, k + 1].set(hi)
-        Bm = jnp.zeros((16, 8), jnp.float32)
-        for reg, k in zip(b, [2 * t, 2 * t + 8], strict=True):
-            lo, hi = f16_halves(reg)
-            Bm = Bm.at[k, g].set(lo).at[k + 1, g].set(hi)
-        prod = jnp.dot(A, Bm, precision=lax.Precision.HIGHEST)
-        return [
-            c[0] + prod[g, 2 * t],
-            c[1] + prod[g, 2 * t + 1],
-            c[2] + prod[g + 8, 2 * t],
-            c[3] + prod[g + 8, 2 * t + 1],
-        ]
-    out = []
-    for i in range(4):  # the same mma for each output register: ptxas keeps one
-        asm = (
-            "{ .reg .f32 t<4>; mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{t0, t1, t2, t3}, {$1, $2, $3, $4}, {$5, $6}, {$7, $8, $9, $10}; "
-            f"mov.b32 $0, t{i}; }}"
-        )
-        out.append(_asm(asm, [*a, *b, *c], "=f," + ",".join("r" * 6) + ",f,f,f,f", _F32))
-    return out
 
 
 def code_operand(x, mask, magic, *, mma_codes: str, interpret: bool):

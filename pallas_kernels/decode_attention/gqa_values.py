@@ -34,7 +34,7 @@ weight of head h against the program's max for it.
 Before its tokens, a program takes its share of the residual tail for each head and the row's
 max over the score programs' maxima (`residual`), as the CUDA-core kernel does; its outputs
 are that kernel's (`_merge_splits` merges them). Lane-level operations (inline PTX with jnp
-twins for interpret mode) are `gqa_scores`'.
+twins for interpret mode) are `ptx`'s.
 
 Supported: group_size 32, head_dim a multiple of 32, n_rep <= 8, v_bits 2 or 4,
 bfloat16/float16 scales; f16 operands, so p s must stay within f16's range (|s| < 65504).
@@ -55,10 +55,12 @@ from kivi_jax.pallas_kernels.decode_attention.gqa_scores import (
     MAX_HEADS,
     code_operand,
     code_unit,
+    param_pair,
+)
+from kivi_jax.pallas_kernels.decode_attention.ptx import (
     exp2_ftz,
     mma_m16n8k16,
     pack_f16x2,
-    param_pair,
     prmt,
     shfl_idx,
     shfl_xor,
