@@ -38,7 +38,6 @@ from kivi_jax.pallas_kernels.decode_attention import (
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     dispatch_key_scores,
-    score_tiles,
     weighted_values,
 )
 
@@ -338,22 +337,25 @@ def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     return {"score_kernel_us": scores, "value_kernel_us": values}
 
 
-def random_logits(key, s: Shape, n: int, *, bits: int, tuning: GpuTuning) -> list:
-    """n random score-kernel outputs for the value kernel timed alone: float32 logits
-    [B, H, n_rep, C] and their maxima per program of the score tiles of `bits`-bit keys under
-    `tuning` [B, H, n_rep, P] (computed here, outside the timed steps)."""
-    shape = (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.context)
-    groups, _, _ = score_tiles(
-        tuning, capacity=s.context, group_size=GROUP, head_dim=s.head_dim, k_bits=bits
+def random_logits(key, s: Shape, n: int, *, bits: int, tuning: GpuTuning, state) -> list:
+    """n random outputs of the tuning's score kernel, for the value kernel timed alone: float32
+    logits and maxima shaped as `dispatch_key_scores` returns them for `state` (the CUDA-core
+    kernel's [B, H, n_rep, C] and one maximum per program, or the tensor-core kernel's head
+    slots and 8 maxima per program), every maxima column holding its row's max (the value
+    kernel reduces a row's columns). Computed here, outside the timed steps."""
+    q = jax.ShapeDtypeStruct(
+        (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.head_dim), jnp.bfloat16
     )
-    block = groups * GROUP  # tokens per score program; a row's last one may hold fewer
-    padded = -(-s.context // block) * block
+    scores = lambda q, st: dispatch_key_scores(
+        q, st["k_codes"], st["k_scale"], st["k_zero"], st["lengths"], q_scale=1.0, bits=bits,
+        group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False,
+    )  # fmt: skip
+    logits_shape, maxima_shape = (x.shape for x in jax.eval_shape(scores, q, state))
     out = []
     for i in range(n):
-        logits = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-        tail = [(0, 0)] * 3 + [(0, padded - s.context)]
-        blocks = jnp.pad(logits, tail, constant_values=-jnp.inf).reshape(*shape[:3], -1, block)
-        out.append((logits, jnp.max(blocks, axis=-1)))
+        logits = jax.random.normal(jax.random.fold_in(key, i), logits_shape, jnp.float32)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        out.append((logits, jnp.broadcast_to(top, maxima_shape)))
     return out
 
 
@@ -373,7 +375,7 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
     key = jax.random.key(2)
     qs = _queries(key, s, calls)
     states = kivi_states(key, s, bits)
-    logits = random_logits(key, s, len(states), bits=bits, tuning=tuning)
+    logits = random_logits(key, s, len(states), bits=bits, tuning=tuning, state=states[0])
     out = {"shape": s.name, "bits": bits}
     for name, (fn, args) in kernel_runs(s, bits, tuning, qs, states, logits).items():
         sec, _, out["timing"] = timed_on_gpu(fn, args, repeats=repeats)

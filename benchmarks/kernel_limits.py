@@ -156,7 +156,7 @@ def measure(s: bench.Shape, bits: int, tuning: GpuTuning, *, calls, repeats, clo
     key = jax.random.key(3)
     qs = bench._queries(key, s, calls)
     states = bench.kivi_states(key, s, bits)
-    logits = bench.random_logits(key, s, len(states), bits=bits, tuning=tuning)
+    logits = bench.random_logits(key, s, len(states), bits=bits, tuning=tuning, state=states[0])
     runs, errors = {}, {}
     for variant in VARIANTS:
         kernels = bench.kernel_runs(s, bits, tuning, qs, states, logits)

@@ -39,7 +39,7 @@ def main(argv=None) -> None:
         for bits in args.bits:
             qs = bench._queries(key, s, 1)
             [state] = bench.kivi_states(key, s, bits)[:1]
-            [logits] = bench.random_logits(key, s, 1, bits=bits, tuning=tuning)
+            [logits] = bench.random_logits(key, s, 1, bits=bits, tuning=tuning, state=state)
             steps = bench.kernel_steps(bits, tuning, s.kv_heads)
             for column, step in steps.items():
                 fn = jax.jit(step)

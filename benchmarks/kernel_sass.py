@@ -33,7 +33,11 @@ from kivi_jax.pallas_kernels.decode_attention import (
     kivi_decode_attention_gpu,
     triton_stages,
 )
-from kivi_jax.pallas_kernels.decode_attention.gpu import _pow2_divisor, score_tiles, value_tiles
+from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    gqa_value_tiles,
+    score_tiles,
+    value_tiles,
+)
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
     # register prefetch), both timed on the H200, with MHA; the default with GQA (the
@@ -167,7 +171,7 @@ def analyse(
     # `gqa_value_blocks` blocks of 16 tokens per iteration
     tc_scores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
     tc_values = n_rep > 1 and tuning.gqa_values == "tensor_cores"
-    blocks = _pow2_divisor(C // 16, tuning.gqa_value_blocks)
+    blocks = gqa_value_tiles(tuning, capacity=C)
     per_thread = {
         "score": G * D / 32 * n_rep
         if tc_scores

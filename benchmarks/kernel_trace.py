@@ -73,7 +73,9 @@ def main(argv=None) -> None:
         result["entries"][name] = trace(fn, fargs, repeats=args.repeats)
     del states, entries
     states = bench.kivi_states(key, s, args.bits)
-    logits = bench.random_logits(key, s, len(states), bits=args.bits, tuning=tuning)
+    logits = bench.random_logits(
+        key, s, len(states), bits=args.bits, tuning=tuning, state=states[0]
+    )
     entries = {"kivi": (bench._many_calls(bench.kivi_step(args.bits, tuning), qs, states),
                         (qs, states))}  # fmt: skip
     entries |= bench.kernel_runs(s, args.bits, tuning, qs, states, logits)
