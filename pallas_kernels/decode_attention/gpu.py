@@ -43,7 +43,8 @@ softmaxes at the end. With MHA the score kernel's loop is left to Triton's softw
 (`GpuTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
 tiles ahead, without holding registers. (A third kernel that folded the query into every key
 group first, for the score kernel to read as int16 words, was slower at every shape measured:
-docs/history.md.)
+docs/history.md.) IDP.4A, IDP.2A and PRMT are inline PTX (`ptx`, with the jnp twins that
+interpret mode runs).
 
 Token regions per sequence (``l = lengths[b]``, ``R`` the residual length, as in
 ``kivi_jax.cache``): keys of ``[0, Qk)``, ``Qk = l - l % R``, and values of ``[0, Pv)``,
