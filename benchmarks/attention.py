@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -312,44 +313,51 @@ KERNEL_COLUMNS = ("score_kernel_us", "value_kernel_us")
 LOGIT_KERNELS = ("value_kernel_us",)
 
 
+_Q_SCALE = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
+
+
+def _split_heads(q, kv_heads: int):
+    """q [B, Hq, D] -> [B, H, n_rep, D], as the kernels take it."""
+    return q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
+
+
+def _key_scores(q, state, *, bits: int, tuning: GpuTuning, kv_heads: int):
+    """The tuning's score kernel alone on q [B, Hq, D]: (logits, maxima)."""
+    return dispatch_key_scores(
+        _split_heads(q, kv_heads), state["k_codes"], state["k_scale"], state["k_zero"],
+        state["lengths"], q_scale=_Q_SCALE, bits=bits, group_size=GROUP,
+        residual_length=RESIDUAL, tuning=tuning, interpret=False,
+    )  # fmt: skip
+
+
 def kernel_steps(bits: int, tuning: GpuTuning, kv_heads: int) -> dict:
     """{column of KERNEL_COLUMNS: step} for each kernel the tuning's step runs, alone, in the
     order the step runs them: the score kernel as step(q, state), and the value
     kernel (with the residual tail) on random logits of the same shape (its cost does not
     depend on the values) as step(q, (state, (logits, block_max)))."""
-    kw = dict(group_size=GROUP, interpret=False)
-    q_scale = 1.0 / math.sqrt(128)  # any: the kernels' cost does not depend on it
-    split = lambda q: q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
 
     def scores(q, state):
-        return dispatch_key_scores(
-            split(q), state["k_codes"], state["k_scale"], state["k_zero"], state["lengths"],
-            q_scale=q_scale, bits=bits, residual_length=RESIDUAL, tuning=tuning, **kw,
-        )[1]  # fmt: skip
+        return _key_scores(q, state, bits=bits, tuning=tuning, kv_heads=kv_heads)[1]
 
     def values(q, state):
         st, (logits, block_max) = state
-        return weighted_values(split(q), logits, block_max, st["v_codes"], st["v_scale"],
-                               st["v_zero"], st["k_residual"], st["v_residual"], st["lengths"],
-                               q_scale=q_scale, bits=bits, residual_length=RESIDUAL,
-                               tuning=tuning, **kw)[1]  # fmt: skip
+        return weighted_values(_split_heads(q, kv_heads), logits, block_max, st["v_codes"],
+                               st["v_scale"], st["v_zero"], st["k_residual"], st["v_residual"],
+                               st["lengths"], q_scale=_Q_SCALE, bits=bits, group_size=GROUP,
+                               residual_length=RESIDUAL, tuning=tuning,
+                               interpret=False)[1]  # fmt: skip
 
     return {"score_kernel_us": scores, "value_kernel_us": values}
 
 
 def random_logits(key, s: Shape, n: int, *, bits: int, tuning: GpuTuning, state) -> list:
     """n random outputs of the tuning's score kernel, for the value kernel timed alone: float32
-    logits and maxima shaped as `dispatch_key_scores` returns them for `state` (the CUDA-core
-    kernel's [B, H, n_rep, C] and one maximum per program, or the tensor-core kernel's head
-    slots and 8 maxima per program), every maxima column holding its row's max (the value
-    kernel reduces a row's columns). Computed here, outside the timed steps."""
-    q = jax.ShapeDtypeStruct(
-        (s.batch, s.kv_heads, s.q_heads // s.kv_heads, s.head_dim), jnp.bfloat16
-    )
-    scores = lambda q, st: dispatch_key_scores(
-        q, st["k_codes"], st["k_scale"], st["k_zero"], st["lengths"], q_scale=1.0, bits=bits,
-        group_size=GROUP, residual_length=RESIDUAL, tuning=tuning, interpret=False,
-    )  # fmt: skip
+    logits and maxima shaped as the score kernel of `kernel_steps` returns them for `state`
+    (the CUDA-core kernel's [B, H, n_rep, C] and one maximum per program, or the tensor-core
+    kernel's head slots and 8 maxima per program), every maxima column holding its row's max
+    (the value kernel reduces a row's columns). Computed here, outside the timed steps."""
+    q = jax.ShapeDtypeStruct((s.batch, s.q_heads, s.head_dim), jnp.bfloat16)
+    scores = functools.partial(_key_scores, bits=bits, tuning=tuning, kv_heads=s.kv_heads)
     logits_shape, maxima_shape = (x.shape for x in jax.eval_shape(scores, q, state))
     out = []
     for i in range(n):
