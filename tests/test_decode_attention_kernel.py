@@ -546,7 +546,7 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"gqa_program_groups": 0}, "gqa_program_groups must be a positive int"),
         ({"gqa_values": True}, "gqa_values must be 'cuda_cores' or 'tensor_cores'"),
         ({"gqa_value_blocks": 0}, "gqa_value_blocks must be a positive int"),
-        ({"mma_codes": "magic"}, r"mma_codes must be one of \('biased', 'subnormal'\)"),
+        ({"mma_codes": "magic"}, "mma_codes must be 'biased' or 'subnormal', got 'magic'"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):

@@ -101,6 +101,13 @@ _NONE_MEANS_DEFAULT = (
     "gqa_program_groups",
 )
 
+# The fields that name a choice, and their choices.
+_CHOICES = {
+    "gqa_scores": ("cuda_cores", "tensor_cores"),
+    "gqa_values": ("cuda_cores", "tensor_cores"),
+    "mma_codes": gqa_scores.CODES,
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuTuning:
@@ -217,17 +224,10 @@ class GpuTuning:
             v = getattr(self, f.name)
             if v is None and f.name in _NONE_MEANS_DEFAULT:
                 continue
-            if f.name in ("gqa_scores", "gqa_values"):
-                if v not in ("cuda_cores", "tensor_cores"):
-                    raise ValueError(
-                        f"GpuTuning.{f.name} must be 'cuda_cores' or 'tensor_cores', got {v!r}"
-                    )
-                continue
-            if f.name == "mma_codes":
-                if v not in gqa_scores.CODES:
-                    raise ValueError(
-                        f"GpuTuning.mma_codes must be one of {gqa_scores.CODES}, got {v!r}"
-                    )
+            if f.name in _CHOICES:
+                if v not in _CHOICES[f.name]:
+                    names = " or ".join(map(repr, _CHOICES[f.name]))
+                    raise ValueError(f"GpuTuning.{f.name} must be {names}, got {v!r}")
                 continue
             if f.name == "value_interleave":
                 if not isinstance(v, bool):
