@@ -229,6 +229,39 @@ class FullCache:
 Cache = KiviCache | FullCache
 
 
+# The layout invariant that slot insertion (kivi_jax.serving) and sharding rely on: every array
+# of a cache, MixedState included, holds one row per sequence on axis BATCH_AXIS, and its KV-head
+# axis is the one named here (None: the array has no head axis). A layout change updates this
+# table, and tests/test_cache.py checks it against every kind of cache.
+BATCH_AXIS = 0
+KV_HEAD_AXIS: dict[str, int | None] = {
+    **dict.fromkeys(
+        [
+            "k_codes",
+            "k_scale",
+            "k_zero",
+            "v_codes",
+            "v_scale",
+            "v_zero",
+            "k_residual",
+            "v_residual",
+        ],
+        1,
+    ),
+    **dict.fromkeys([f.name for f in dataclasses.fields(MixedState)], 1),
+    "k": 2,  # FullCache, token-major
+    "v": 2,
+    "lengths": None,
+    "overflow": None,
+}
+
+
+def kv_head_axis(path) -> int | None:
+    """The KV-head axis of the cache array at `path` (a key path of
+    `jax.tree_util.tree_map_with_path` over a cache or a tuple of caches), None if it has none."""
+    return KV_HEAD_AXIS[path[-1].name]
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 
 import kivi_jax as kj
 from kivi_jax import quantization as qz
+from kivi_jax.cache import BATCH_AXIS, kv_head_axis
 
 
 def _cache(config, batch=1, max_len=64, heads=1, head_dim=8, dtype=jnp.float32, **kw):
@@ -179,6 +180,29 @@ def test_num_layers_gives_one_cache_per_layer():
     # C = max_len rounded up to G = 32: 128 token positions, 2-bit keys packed 4 per byte.
     assert one.k_codes.shape == (2, 3, 32, 64) and one.v_codes.shape == (2, 3, 128, 16)
     assert one.k_scale.shape == (2, 3, 4, 64) and one.v_scale.shape == (2, 3, 128, 2)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        kj.KIVI2,
+        kj.KIVI4,
+        kj.KIVI2_MIX,
+        kj.KiviConfig(heavy_tokens=4, selection=kj.Selection.MASS),
+    ],
+    ids=["full", "kivi2", "kivi4", "kivi2-mix", "mass"],
+)
+def test_every_array_has_batch_on_axis_0_and_its_head_axis_in_the_table(config):
+    # B = 3 and H = 5 appear in no other dimension, so each axis is identified by its size.
+    caches = _cache(config, batch=3, max_len=70, heads=5, head_dim=64, num_layers=2)
+
+    def check(path, x):
+        assert x.shape[BATCH_AXIS] == 3, path
+        axis = kv_head_axis(path)
+        assert [i for i, n in enumerate(x.shape) if n == 5] == ([] if axis is None else [axis])
+
+    jax.tree_util.tree_map_with_path(check, caches)
 
 
 def test_a_tuple_of_caches_or_a_layer_index_is_a_clear_error():
