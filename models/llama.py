@@ -6,7 +6,7 @@ tuple of `LayerWeights`), and the blocks run as a Python loop unrolled into the 
 matmul reads its weight buffer where it lies and every layer's KV state is a buffer of its own,
 so a decode step copies neither. (Under `lax.scan` over stacked weights, XLA copies each layer's
 weight matrices out of the stack before the matmuls read them: H200, 7B widths, batch 16, 1.37
-against 0.51 ms for 4 layers; benchmarks/results/layer_layout.md, docs/design.md.) XLA
+against 0.51 ms for 4 layers; docs/design.md.) XLA
 compiles each distinct Pallas kernel once however many layers call it. The q, k and v
 projections are one matrix, and so are the MLP's gate and up projections: one matmul each,
 which reads the weights closer to the memory bandwidth than two or three smaller ones.

@@ -18,7 +18,7 @@ quantization error never enters the comparison.
 With `value_parts=1` (one int8 part per value weight, ~8 bits against the largest of a set)
 the same bound holds for bfloat16 queries, mostly through its roundoff term of the values'
 scale: that test checks that the option computes the right thing, not its precision
-(benchmarks/value_parts_error.py measures that).
+(docs/performance.md gives its measured error).
 """
 
 from __future__ import annotations

@@ -40,8 +40,7 @@ def test_decode_with_the_kernel_matches_the_reference(monkeypatch, kv):
     # float32 math in a different order, and 140 bf16 steps of a random-weight model amplify
     # any rounding difference: on the H200 the reference itself lands 0.024-0.040 away from
     # its own CPU run by this measure, and the kernels 0.007-0.010 away from it (two tunings,
-    # benchmarks/results/model_noise.md; 0.005-0.032 with the float32 kernels of the second
-    # round).
+    # docs/performance.md).
     err = float(jnp.max(jnp.abs(kernel - reference)) / jnp.max(jnp.abs(reference)))
     assert err < 0.08, err
     agree = float(jnp.mean(jnp.argmax(kernel, -1) == jnp.argmax(reference, -1)))

@@ -956,9 +956,8 @@ def _merge_splits(m, o, o_tail, l_sum):
     float32. A split without tokens has zero sums (and m the row's quantized max, or -1e30
     where the row has no quantized keys and the split no tail chunk); an empty row has
     m = -1e30 in every split, so weights of 1 on zero sums, and gives zeros. Written as sums
-    over S, which XLA makes one reduction fusion: ~2 µs on the H200 at every S the kernels
-    use (elementwise over the S slices it took 15-28 µs from S = 8 on;
-    `python benchmarks/merge_splits.py`, benchmarks/results/merge_splits.json)."""
+    over S, which XLA makes one reduction fusion (~2 µs on the H200 at every S the kernels
+    use; elementwise over the S slices was slower from S = 8 on, docs/history.md G10)."""
     w = jnp.exp2(m - jnp.max(m, axis=-1, keepdims=True))  # [..., S]
     num = jnp.sum(w[..., None] * (o + o_tail), axis=-2)
     den = jnp.sum(w * l_sum, axis=-1)[..., None]
