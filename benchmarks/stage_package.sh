@@ -1,4 +1,4 @@
-# Sourced by the device scripts (h200_session.sh, kernel_profile.sh) from the repository root:
+# Sourced by the device script (h200_session.sh) from the repository root:
 # the device machine gets the checkout only (no install), so this copies the package into
 # /tmp/pk with models/ and pallas_kernels/ in place under kivi_jax/, as the wheel lays them
 # out, and continues from there with it on PYTHONPATH (README.md beside it: test_readme reads it

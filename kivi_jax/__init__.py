@@ -16,11 +16,6 @@ A Llama model threads that state through a jit-compiled decode loop:
     text = kivi_jax.generate_text(model, "What is KIVI?", kv="kivi2")
 """
 
-import tomllib as _tomllib
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-from pathlib import Path as _Path
-
 # Pallas's fuser is imported with the package, not when a first kernel is traced: jax 0.11
 # defines a config value that is part of every jit cache key when it is first imported
 # (`pallas_fuser_disable_nested_fuse`, jax._src.pallas.fuser.jaxpr_fusion), so a lazy import
@@ -46,12 +41,22 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
 from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
 
-try:
-    __version__ = _version("kivi-jax")  # the installed distribution's, set in pyproject.toml
-except PackageNotFoundError:  # a source checkout on sys.path (as the GPU scripts run it)
-    __version__ = _tomllib.loads((_Path(__file__).parents[1] / "pyproject.toml").read_text())[
-        "project"
-    ]["version"]
+
+def _package_version() -> str:
+    """The installed distribution's version (set in pyproject.toml), or pyproject.toml's for a
+    source checkout on sys.path (as the GPU scripts run it)."""
+    import importlib.metadata
+    import pathlib
+    import tomllib
+
+    try:
+        return importlib.metadata.version("kivi-jax")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+__version__ = _package_version()
 
 __all__ = [
     "KIVI2",
@@ -88,3 +93,9 @@ __all__ = [
     "save_model",
     "unpack_codes",
 ]
+
+
+def __dir__() -> list[str]:
+    """dir(kivi_jax): the public API (`__all__`) and the module's dunder names (`__version__`,
+    `__doc__`, ...), not the submodules and helpers that importing it binds."""
+    return sorted([*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))])

@@ -1,6 +1,7 @@
 """The installed package: one clean top-level name, kivi_jax."""
 
 import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -46,3 +47,22 @@ def test_version_is_the_installed_distributions():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert kivi_jax.__version__ == importlib.metadata.version("kivi-jax")
     assert kivi_jax.__version__ == pyproject["project"]["version"]
+
+
+def test_dir_shows_the_public_api_only():
+    import kivi_jax
+
+    assert set(kivi_jax.__all__) <= set(dir(kivi_jax))
+    assert all(hasattr(kivi_jax, name) for name in kivi_jax.__all__)
+    extra = [n for n in dir(kivi_jax) if n not in kivi_jax.__all__]
+    assert all(n.startswith("__") and n.endswith("__") for n in extra), extra
+    assert "__version__" in extra
+
+
+def test_the_design_docs_tree_layout_names_existing_files():
+    design = (ROOT / "docs/design.md").read_text()
+    section = design.split("## Layout of the tree", 1)[1].split("\n## ", 1)[0]
+    paths = re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
+    assert len(paths) >= 20
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, missing
