@@ -38,6 +38,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     kivi_decode_attention_tpu,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    KernelTuning,
     dispatch_key_scores,
     weighted_values,
 )
@@ -393,19 +394,18 @@ def time_kernels(s: Shape, bits: int, *, calls, repeats, tuning) -> dict:
 
 
 # Tunings timed by --sweep (--sweep-shape, --sweep-model, --sweep-bits); the first is the default.
-# After the twelfth round: the default (with MHA Triton's pipeliner, 3 stages; with GQA the
-# register prefetch) against the score kernel's register prefetch, 2 and 4 stages, and the
-# score kernel's tiles: 32 key rows per iteration, 8 and 32 key groups per program, a key
-# row in two slices.
+# The default (with MHA Triton's pipeliner, 3 stages; with GQA the register prefetch) against
+# the score kernel's register prefetch, 2 and 4 stages, and the score kernel's tiles: 32 key
+# rows per iteration, 8 and 32 key groups per program, a key row in two slices.
 SWEEP = [
-    GpuTuning(),
-    GpuTuning(score_stages=1),
-    GpuTuning(score_stages=2),
-    GpuTuning(score_stages=4),
-    GpuTuning(score_rows=32),
-    GpuTuning(score_program_groups=8),
-    GpuTuning(score_program_groups=32),
-    GpuTuning(score_slices=2),
+    KernelTuning(),
+    KernelTuning(score_stages=1),
+    KernelTuning(score_stages=2),
+    KernelTuning(score_stages=4),
+    KernelTuning(score_rows=32),
+    KernelTuning(score_program_groups=8),
+    KernelTuning(score_program_groups=32),
+    KernelTuning(score_slices=2),
 ]
 # Kernel names in the GPU trace -> the sweep's per-kernel columns.
 KERNEL_NAMES = {
@@ -504,8 +504,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"KIVI kernel tuning: {result.get('tuning')} (`score_slices` None: 2 for 2-bit keys, "
         "1 for 4-bit ones; `value_quads` None: 16 for 2-bit values, 8 for 4-bit ones; "
         "`score_stages` None: 3 for MHA (1 for 2-bit keys in one wave of programs), 1 for "
-        "GQA; `GpuTuning.key_slices`, `GpuTuning.quads`, "
-        "`GpuTuning.key_stages`; with GQA `gqa_scores`, `gqa_values` 'tensor_cores': the "
+        "GQA; `KernelTuning.key_slices`, `KernelTuning.quads`, "
+        "`KernelTuning.key_stages`; with GQA `gqa_scores`, `gqa_values` 'tensor_cores': the "
         "tensor-core kernels, `gqa_scores.py`, `gqa_values.py`)",
         "",
         "| shape | method | µs | host µs | MB read | GB/s | % of peak | floor µs "
@@ -557,13 +557,15 @@ def write_markdown(result: dict, path: Path) -> None:
         )
         lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in result["sweep"]:
-            changed = {k: v for k, v in r["tuning"].items() if v != getattr(GpuTuning(), k)}
+            default = dataclasses.asdict(KernelTuning())  # (fields since removed: not shown)
+            changed = {k: v for k, v in r["tuning"].items() if v != default.get(k, v)}
             us = f"{r['us']:.1f} | {r['pct_peak']:.1f}" if "us" in r else "failed |"
             alone = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in SPLIT_COLUMNS)
-            bits = r.get("bits", 2)  # sweeps before the fifth round's tools: KIVI-2
+            bits = r.get("bits", 2)  # records without bits: KIVI-2
             lines.append(f"| {r['shape']} | {bits} | {changed or 'default'} | {us} | {alone} |")
         for r in result["sweep"]:
-            if r.get("other_kernels") and r["tuning"] == dataclasses.asdict(GpuTuning()):
+            default = dataclasses.asdict(KernelTuning()).items()
+            if r.get("other_kernels") and all(r["tuning"].get(k) == v for k, v in default):
                 named = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["other_kernels"].items()))
                 lines.append(f"\nOther kernels, KIVI-{r['bits']} default (µs per step): {named}")
     path.write_text("\n".join(lines) + "\n")
@@ -624,7 +626,7 @@ def main(argv=None) -> None:
         "--sweep-tunings",
         type=json.loads,
         default=None,
-        help="JSON list of GpuTuning fields to sweep instead of SWEEP, after GpuTuning() "
+        help="JSON list of KernelTuning fields to sweep instead of SWEEP, after KernelTuning() "
         "(--tuning applies to the table only)",
     )
     p.add_argument(
@@ -641,7 +643,7 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", action="store_true", help="time each kernel alone at 8x32k")
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
     p.add_argument("--deadline-s", type=float, default=None, help="stop adding rows after this")
-    p.add_argument("--tuning", type=json.loads, default={}, help="GpuTuning fields (JSON)")
+    p.add_argument("--tuning", type=json.loads, default={}, help="KernelTuning fields (JSON)")
     args = p.parse_args(argv)
     shapes = SHAPES
     if args.smoke:
@@ -665,7 +667,7 @@ def main(argv=None) -> None:
         "residual_length": RESIDUAL,
         "rows": [],
     }
-    tuning = (TpuTuning if dev.platform == "tpu" else GpuTuning)(**args.tuning)
+    tuning = (TpuTuning if dev.platform == "tpu" else KernelTuning)(**args.tuning)
     if args.sweep:
         batch, context = args.sweep_shape
         hq, hk, d = MODELS[args.sweep_model]
@@ -675,7 +677,7 @@ def main(argv=None) -> None:
         )  # fmt: skip
         tunings = SWEEP
         if args.sweep_tunings is not None:
-            tunings = [GpuTuning(), *(GpuTuning(**t) for t in args.sweep_tunings)]
+            tunings = [KernelTuning(), *(KernelTuning(**t) for t in args.sweep_tunings)]
         print(f"sweep on {s0.name}", flush=True)
         result["sweep"] = [
             rec

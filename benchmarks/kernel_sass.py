@@ -29,32 +29,31 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import (
-    GpuTuning,
     kivi_decode_attention_gpu,
     triton_stages,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    _NUM_STAGES,
+    _NUM_WARPS,
+    KernelTuning,
     gqa_value_tiles,
     score_tiles,
     value_tiles,
 )
 
-CONFIGS = [  # (tuning, bits, n_rep): the default and the eleventh round's (the score kernel's
-    # register prefetch), both timed on the H200, with MHA; the default with GQA (the
-    # tensor-core kernels) at Llama-3-8B's 4 query heads per KV head, and its codes as
-    # subnormal mma operands
-    (GpuTuning(), 2, 1),
-    (GpuTuning(), 4, 1),
-    (GpuTuning(score_stages=1), 2, 1),
-    (GpuTuning(score_stages=1), 4, 1),
-    (GpuTuning(), 2, 4),
-    (GpuTuning(), 4, 4),
-    (GpuTuning(mma_codes="subnormal"), 2, 4),
-    (GpuTuning(mma_codes="subnormal"), 4, 4),
+CONFIGS = [  # (tuning, bits, n_rep): the default and the score kernel's register prefetch,
+    # both timed on the H200, with MHA; the default with GQA (the tensor-core kernels) at
+    # Llama-3-8B's 4 query heads per KV head
+    (KernelTuning(), 2, 1),
+    (KernelTuning(), 4, 1),
+    (KernelTuning(score_stages=1), 2, 1),
+    (KernelTuning(score_stages=1), 4, 1),
+    (KernelTuning(), 2, 4),
+    (KernelTuning(), 4, 4),
 ]
 
 
-def triton_ir(tuning: GpuTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
+def triton_ir(tuning: KernelTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
     """{"score": ..., "value": ...}: the kernels' Triton modules as text, captured during
     lowering for CUDA."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
@@ -154,7 +153,7 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> t
 
 
 def analyse(
-    tuning: GpuTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32, C=32768
+    tuning: KernelTuning, bits: int, n_rep: int, workdir: Path, *, D=128, G=32, C=32768
 ) -> list:
     """One record per kernel: registers, spills, loop instructions per code."""
     program_groups, groups, _ = score_tiles(
@@ -173,21 +172,17 @@ def analyse(
     tc_values = n_rep > 1 and tuning.gqa_values == "tensor_cores"
     blocks = gqa_value_tiles(tuning, capacity=C)
     per_thread = {
-        "score": G * D / 32 * n_rep
-        if tc_scores
-        else groups * G * D * score_tiles_per_iter / (tuning.score_warps * 32),
+        "score": G * D / 32 * n_rep if tc_scores else groups * G * D * score_tiles_per_iter / 32,
         "value": 16 * blocks * D / 32 * n_rep * tuning.prefetch
         if tc_values
-        else 4 * quads * chain * D * tuning.prefetch / (tuning.value_warps * 32),
+        else 4 * quads * chain * D * tuning.prefetch / 32,
     }
-    warps = {"score": 1 if tc_scores else tuning.score_warps,
-             "value": 1 if tc_values else tuning.value_warps}  # fmt: skip
     out = []
     modules = triton_ir(tuning, n_rep=n_rep, bits=bits, D=D, C=C, G=G)
     for name in ("score", "value"):
         ttir = modules[name]
-        num_stages = 1 if (tc_scores, tc_values)[name == "value"] else tuning.num_stages
-        info, sass = compile_sass(ttir, warps[name], num_stages, workdir)
+        num_stages = 1 if (tc_scores, tc_values)[name == "value"] else _NUM_STAGES
+        info, sass = compile_sass(ttir, _NUM_WARPS, num_stages, workdir)
         spill = re.search(r"(\d+) bytes spill stores", info)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(t) for t in loop)
@@ -218,19 +213,19 @@ def main(argv=None):
         "--tunings",
         type=json.loads,
         default=None,
-        help="JSON list of GpuTuning fields to build at 2 and 4 bits instead of CONFIGS",
+        help="JSON list of KernelTuning fields to build at 2 and 4 bits instead of CONFIGS",
     )
     args = p.parse_args(argv)
     configs = CONFIGS
     if args.tunings is not None:
-        configs = [(GpuTuning(**t), bits, 1) for t in args.tunings for bits in (2, 4)]
+        configs = [(KernelTuning(**t), bits, 1) for t in args.tunings for bits in (2, 4)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for tuning, bits, n_rep in dict.fromkeys(configs):  # configs that coincide run once
             for r in analyse(tuning, bits, n_rep, Path(tmp)):
                 rows.append(r)
                 print(r, flush=True)
-    default = dataclasses.asdict(GpuTuning())
+    default = dataclasses.asdict(KernelTuning())
     lines = [
         "# Main loops of the score and value kernels in SASS (sm_90a; D=128, G=32, bf16)",
         "",

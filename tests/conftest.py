@@ -13,8 +13,9 @@ import pytest
 # programs (one of the kernel grid's cases: 31 s of compile against 0.1 s of running, 2-core
 # CPU, jax 0.10.2). Tests compile each program once and run it on small shapes, so there they
 # skip LLVM's optimizations and the parallel code generation (xdist already runs one process
-# per core): that case's compile 31 -> 20 s. Where jax has a CUDA plugin the GPU tests keep
-# XLA's defaults. Set before jax starts its backends; flags a user set stay.
+# per core): that case then compiles in about two thirds of the time. Where jax has a CUDA
+# plugin the GPU tests keep XLA's defaults. Set before jax starts its backends; flags a user
+# set stay.
 _CUDA = any(
     (d.metadata["Name"] or "").replace("_", "-").startswith("jax-cuda")
     for d in importlib.metadata.distributions()

@@ -36,7 +36,7 @@ def _merged(tmp_path: Path, *dirs: Path) -> dict:
 
 
 def test_a_later_search_keeps_an_earlier_failure_above_its_largest_batch(tmp_path):
-    # s11-c3 tried 450 and 462 (neither fit), s11-c4 then 424 and 438 (both ran): the bound
+    # one call tried 450 and 462 (neither fit), a later one 424 and 438 (both ran): the bound
     # 438 <= largest < 450 needs both calls, so the failure stays, with the call that found it
     first = _call(tmp_path, "c3", {450: False, 462: False})
     second = _call(tmp_path, "c4", {424: True, 438: True})

@@ -40,6 +40,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     triton_stages,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
+    KernelTuning,
     _byte_transpose,
     _field_mask,
     _fold_query,
@@ -174,7 +175,7 @@ def test_value_kernel_splits_share_the_tail(rng, interleave, prefetch):
     v_scale, v_zero = (jnp.asarray(rng.normal(size=(B, H, C, D // G)), jnp.bfloat16) for _ in "sz")
     q_scale = 0.2
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    tuning = GpuTuning(
+    tuning = KernelTuning(
         value_quads=4,
         value_chain=1,
         num_splits=S,
@@ -260,7 +261,7 @@ def _rounded_reference(q, cache, dtype):
 
 def _check(q, cache, *, interpret, tuning=None):
     dtype = q.dtype
-    out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or GpuTuning())
+    out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or KernelTuning())
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()
@@ -293,7 +294,6 @@ def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R
 CC = {"gqa_scores": "cuda_cores", "gqa_values": "cuda_cores"}
 SC = {"gqa_values": "cuda_cores"}
 VC = {"gqa_scores": "cuda_cores"}
-SUB = {"mma_codes": "subnormal"}
 _CPU_CASES = [
     # k_bits, v_bits, D, n_rep, dtype, GpuTuning fields
     (2, 2, 128, 4, jnp.bfloat16, CC),
@@ -304,7 +304,7 @@ _CPU_CASES = [
     (4, 4, 128, 3, jnp.bfloat16, CC),
     (2, 2, 128, 4, jnp.bfloat16, {}),
     (4, 2, 64, 3, jnp.float16, SC),
-    (2, 4, 64, 8, jnp.bfloat16, SUB),
+    (2, 4, 64, 8, jnp.bfloat16, {}),
     (4, 4, 128, 2, jnp.float16, SC),
     (4, 2, 64, 3, jnp.bfloat16, VC),
     (2, 4, 128, 2, jnp.float16, {}),
@@ -317,7 +317,7 @@ def test_kernel_matches_reference_interpret(rng, k_bits, v_bits, D, n_rep, dtype
         rng, k_bits=k_bits, v_bits=v_bits, D=D, n_rep=n_rep, dtype=dtype, H=2, max_len=400,
         prompts=[27, 300, 64, 180], steps=5, R=64,
     )  # fmt: skip
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3, **fields))
+    _check(q, cache, interpret=True, tuning=KernelTuning(num_splits=3, **fields))
 
 
 def test_length_zero_row_interpret(rng):
@@ -327,8 +327,8 @@ def test_length_zero_row_interpret(rng):
         dtype=jnp.bfloat16,
     )  # fmt: skip
     q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.bfloat16)
-    _check(q, cache, interpret=True, tuning=GpuTuning(score_rows=8, num_splits=3, **CC))
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=3))
+    _check(q, cache, interpret=True, tuning=KernelTuning(score_rows=8, num_splits=3, **CC))
+    _check(q, cache, interpret=True, tuning=KernelTuning(num_splits=3))
 
 
 def test_gqa_falls_back_to_cuda_cores_where_tensor_cores_do_not_apply_interpret(rng):
@@ -344,7 +344,7 @@ def test_gqa_falls_back_to_cuda_cores_where_tensor_cores_do_not_apply_interpret(
         dtype=jnp.bfloat16,
     )  # fmt: skip
     q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.bfloat16)
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+    _check(q, cache, interpret=True, tuning=KernelTuning(num_splits=2))
 
 
 def test_residual_length_not_a_power_of_two_interpret(rng):
@@ -354,11 +354,13 @@ def test_residual_length_not_a_power_of_two_interpret(rng):
         rng, k_bits=2, v_bits=4, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
         prompts=[300, 92, 0], steps=5, R=96,
     )  # fmt: skip
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+    _check(q, cache, interpret=True, tuning=KernelTuning(num_splits=2))
 
 
 @pytest.mark.parametrize("capacity", [320, 2176, 4096, 96 * 32])
-@pytest.mark.parametrize("tuning", [GpuTuning(), GpuTuning(score_program_groups=4, score_rows=8)])
+@pytest.mark.parametrize(
+    "tuning", [KernelTuning(), KernelTuning(score_program_groups=4, score_rows=8)]
+)
 def test_score_tiles_stay_within_the_capacity(capacity, tuning):
     """Every tile a score program loads or stores, prefetched ones past its last included,
     lies within the capacity's key groups (interpret mode pads blocks, so only this shows a
@@ -384,7 +386,7 @@ def test_last_score_program_holds_the_rest_interpret(rng, stages):
     and 8-9 (the last one's blocks reach past the capacity); final lengths end in each
     program, in the last one's second group and at the capacity; the register prefetch (1
     stage, two tiles ahead) and the plain loop Triton pipelines (3)."""
-    tuning = GpuTuning(score_program_groups=4, num_splits=2, score_stages=stages, prefetch=2)
+    tuning = KernelTuning(score_program_groups=4, num_splits=2, score_stages=stages, prefetch=2)
     assert score_tiles(tuning, capacity=320, group_size=32, head_dim=64, k_bits=2)[:2] == (4, 2)
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
@@ -399,7 +401,7 @@ def test_score_program_maxima_are_padded_to_a_power_of_two_interpret(rng):
     program p's the max of its logits below Qk (-1e30 where it holds none), the fourth -1e30,
     so that a value program reads them in one load."""
     B, H, n_rep, D, G, C, R = 3, 1, 2, 64, 32, 320, 64
-    tuning = GpuTuning(score_program_groups=4)
+    tuning = KernelTuning(score_program_groups=4)
     lengths = np.array([320, 170, 40], np.int32)  # Qk: 320, 128, 0
     logits, maxima = key_scores(
         jnp.asarray(rng.normal(size=(B, H, n_rep, D)), jnp.bfloat16),
@@ -426,14 +428,14 @@ def test_random_layout_state_interpret(rng):
         rng, capacity=256, residual_length=64, lengths=[256, 100, 193], zero_value_scales=0
     )
     q = jnp.asarray(rng.normal(size=(3, 6, 64)), jnp.bfloat16)
-    _check(q, cache, interpret=True, tuning=GpuTuning(num_splits=2))
+    _check(q, cache, interpret=True, tuning=KernelTuning(num_splits=2))
 
 
 @pytest.mark.parametrize(
     "tuning",
     [
         # many small tiles and programs: every clamp and mask at a tile or split boundary
-        GpuTuning(
+        KernelTuning(
             score_rows=4,
             score_slices=2,
             score_program_groups=2,
@@ -441,13 +443,13 @@ def test_random_layout_state_interpret(rng):
             value_chain=2,
             num_splits=5,
         ),
-        GpuTuning(value_quads=2, num_splits=3, prefetch=3, value_interleave=False),
-        GpuTuning(
+        KernelTuning(value_quads=2, num_splits=3, prefetch=3, value_interleave=False),
+        KernelTuning(
             prefetch=3, score_rows=16, score_slices=1, value_quads=8, num_splits=2, score_stages=1
         ),
-        GpuTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
-        GpuTuning(score_stages=2, prefetch=2, score_rows=4, value_quads=2, num_splits=3),
-        GpuTuning(value_parts=1, value_quads=4, value_warps=2, num_splits=3),
+        KernelTuning(prefetch=2, score_program_groups=64, value_chain=4, num_splits=1),
+        KernelTuning(score_stages=2, prefetch=2, score_rows=4, value_quads=2, num_splits=3),
+        KernelTuning(value_parts=1, value_quads=4, num_splits=3),
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
@@ -505,7 +507,7 @@ def test_score_loop_carries_its_pipeline_stages(monkeypatch, score_stages, n_rep
     kernel's one loop gets score_stages (left None: 3 for MHA, 1 for GQA; at 1 it keeps the
     register prefetch, unmarked); the value kernel's two loops (its tail share's and its main
     loop) are never marked. (The CUDA-core kernels, also with GQA.)"""
-    tuning = GpuTuning(score_stages=score_stages, **CC)
+    tuning = KernelTuning(score_stages=score_stages, **CC)
     modules = _lowered_triton_modules(monkeypatch, tuning, n_rep)
     score = modules["kivi_scores" if stages == 1 else f"kivi_scores_stages{stages}"]
     assert score.count("scf.for") == 1
@@ -533,7 +535,6 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
     [
         ({"prefetch": 0}, "prefetch"),
         ({"score_stages": 0}, "score_stages must be a positive int"),
-        ({"value_warps": 6}, "value_warps"),
         ({"num_splits": 0}, "num_splits"),
         ({"score_slices": 3}, "score_slices"),
         ({"value_chain": 128}, "value_chain=128: at most 64"),
@@ -546,32 +547,47 @@ def test_without_the_lowering_hook_the_score_kernel_prefetches_in_registers(monk
         ({"gqa_program_groups": 0}, "gqa_program_groups must be a positive int"),
         ({"gqa_values": True}, "gqa_values must be 'cuda_cores' or 'tensor_cores'"),
         ({"gqa_value_blocks": 0}, "gqa_value_blocks must be a positive int"),
-        ({"mma_codes": "magic"}, "mma_codes must be 'biased' or 'subnormal', got 'magic'"),
     ],
 )
 def test_bad_tunings_are_named(fields, match):
     with pytest.raises(ValueError, match=match):
-        GpuTuning(**fields)
+        KernelTuning(**fields)
+
+
+def test_gpu_tuning_holds_what_a_user_sets_and_the_kernels_the_settled_tiles():
+    """GpuTuning: at most 8 fields; the tile sizes are KernelTuning's, which the kernels run
+    with (a GpuTuning's fields and the settled tiles)."""
+    import dataclasses
+
+    from kivi_jax.pallas_kernels.decode_attention.gpu import kernel_tuning
+
+    assert len(dataclasses.fields(GpuTuning)) <= 8
+    with pytest.raises(TypeError):
+        GpuTuning(score_rows=16)
+    with pytest.raises(ValueError, match=r"GpuTuning\.gqa_scores must be"):
+        GpuTuning(gqa_scores="mma")
+    assert kernel_tuning(GpuTuning()) == KernelTuning()
+    assert kernel_tuning(GpuTuning(num_splits=3)) == KernelTuning(num_splits=3)
 
 
 @pytest.mark.parametrize(("bits", "slices", "quads"), [(2, 2, 16), (4, 1, 8)])
 def test_fields_left_none_take_the_bit_widths_default(bits, slices, quads):
-    default = GpuTuning()
+    default = KernelTuning()
     assert default.key_slices(bits) == slices and default.quads(bits) == quads
-    chosen = GpuTuning(score_slices=4, value_quads=4)
+    chosen = KernelTuning(score_slices=4, value_quads=4)
     assert chosen.key_slices(bits) == 4 and chosen.quads(bits) == 4
-    assert GpuTuning(num_splits=None).num_splits is None  # chosen by the value kernel
+    assert KernelTuning(num_splits=None).num_splits is None  # chosen by the value kernel
 
 
 def test_score_stages_left_none_follow_heads_bits_and_programs():
     """3 pipeline stages for MHA, but the register prefetch (1) for 2-bit keys in one wave of
     programs; 1 for GQA; a set value stands."""
-    t = GpuTuning()
+    t = KernelTuning()
     many, few = t.one_wave + 1, t.one_wave
     assert t.key_stages(1, k_bits=2, programs=many) == t.key_stages(1, k_bits=4, programs=few) == 3
     assert t.key_stages(1, k_bits=2, programs=few) == 1
     assert t.key_stages(4, k_bits=4, programs=many) == 1
-    set2 = GpuTuning(score_stages=2)
+    set2 = KernelTuning(score_stages=2)
     assert set2.key_stages(1, k_bits=2, programs=few) == 2
     assert set2.key_stages(4, k_bits=4, programs=many) == 2
 
@@ -579,11 +595,11 @@ def test_score_stages_left_none_follow_heads_bits_and_programs():
 def test_gqa_program_groups_left_none_follow_the_programs():
     """16 key groups per tensor-core score program where that fills `one_wave` programs
     (8 x 32k at 8 KV heads: 64 rows of 64 programs), else 8; a set value stands."""
-    t = GpuTuning()
+    t = KernelTuning()
     assert t.gqa_groups(n_groups=1024, rows=64) == 16  # 4096 programs
     assert t.gqa_groups(n_groups=1024, rows=8) == 8  # 1 x 32k
     assert t.gqa_groups(n_groups=68, rows=128) == 8  # 16 x 2176: 640 programs
-    assert GpuTuning(gqa_program_groups=4).gqa_groups(n_groups=1024, rows=64) == 4
+    assert KernelTuning(gqa_program_groups=4).gqa_groups(n_groups=1024, rows=64) == 4
 
 
 def test_unsupported_configs_are_named():
@@ -622,7 +638,7 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, kernels):
         q,
         cache,
         interpret=False,
-        tuning=GpuTuning(**{"cuda_cores": CC, "tensor_scores": SC}.get(kernels, {})),
+        tuning=KernelTuning(**{"cuda_cores": CC, "tensor_scores": SC}.get(kernels, {})),
     )
 
 
@@ -630,21 +646,20 @@ def test_kernel_matches_reference_gpu(rng, bits, D, n_rep, dtype, kernels):
 @pytest.mark.parametrize(
     ("tuning", "bits"),
     [
-        (GpuTuning(score_rows=64, score_slices=8, value_quads=16, value_chain=4), 2),
-        (GpuTuning(prefetch=2, score_warps=8, value_warps=8, value_quads=64, value_chain=1), 2),
+        (KernelTuning(score_rows=64, score_slices=8, value_quads=16, value_chain=4), 2),
+        (KernelTuning(prefetch=2, value_quads=64, value_chain=1), 2),
         (
-            GpuTuning(
+            KernelTuning(
                 score_rows=8, score_slices=2, score_program_groups=4, value_quads=4, num_splits=7
             ),
             2,
         ),
-        (GpuTuning(value_parts=1), 2),
-        (GpuTuning(score_slices=4, value_quads=8), 2),  # the fifth round's tiles
-        (GpuTuning(score_slices=2), 4),  # the sixth round's 4-bit keys (now 1 slice)
-        (GpuTuning(score_stages=1), 4),  # the eleventh round's register prefetch
-        (GpuTuning(score_stages=4, prefetch=2, score_rows=32), 2),
-        (GpuTuning(mma_codes="subnormal"), 2),
-        (GpuTuning(mma_codes="subnormal", prefetch=2), 4),
+        (KernelTuning(value_parts=1), 2),
+        (KernelTuning(score_slices=4, value_quads=8), 2),
+        (KernelTuning(score_slices=2), 4),  # 4-bit keys in two slices
+        (KernelTuning(score_stages=1), 4),  # the register prefetch at 4 bits
+        (KernelTuning(score_stages=4, prefetch=2, score_rows=32), 2),
+        (KernelTuning(prefetch=2), 4),
     ],
 )
 def test_kernel_tunings_gpu(rng, tuning, bits):

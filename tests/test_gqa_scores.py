@@ -37,23 +37,6 @@ def test_codes_unpack_exactly_into_f16_halves():
             np.testing.assert_array_equal(hi, codes[::-1] & mask)
 
 
-def test_subnormal_codes_are_the_fields_times_2_to_the_minus_24():
-    # mma_codes="subnormal": a field kept in a half's low byte under a zero exponent is the f16
-    # subnormal field * 2**-24, exactly; code_unit gives that unit back
-    for bits in (2, 4):
-        for j in range(8 // bits):
-            codes = np.arange(256, dtype=np.int32)
-            y = codes | (codes[::-1] << 8) | (codes[::-1] << 16) | (codes << 24)  # all 4 bytes
-            mask = ((1 << bits) - 1) << (bits * j)
-            x = gq.code_operand(jnp.asarray(y), jnp.int32(mask * 0x00010001), None,
-                                mma_codes="subnormal", interpret=True)  # fmt: skip
-            lo, hi = (
-                np.asarray(h, np.float64) / gq.code_unit("subnormal") for h in ptx.f16_halves(x)
-            )
-            np.testing.assert_array_equal(lo, codes & mask)  # byte 0
-            np.testing.assert_array_equal(hi, codes[::-1] & mask)  # byte 2
-
-
 def test_minus_magic_is_minus_1024_in_both_halves():
     # the score kernel's accumulators start from an mma with this A, -1024 * sum_k B[k, n] on
     # every row, cancelling the 1024 each unpacked A entry carries (the kernel tests below check
@@ -77,16 +60,14 @@ def _reference(q, codes, s, z, *, bits, q_scale):
 
 
 @pytest.mark.parametrize(
-    ("bits", "n_rep", "D", "dtype", "program_groups", "prefetch", "mma_codes"),
-    [(2, 4, 128, jnp.bfloat16, 16, 1, "biased"), (4, 8, 128, jnp.float16, 16, 2, "biased"),
-     (2, 3, 64, jnp.float16, 8, 1, "subnormal"), (4, 2, 64, jnp.bfloat16, 16, 1, "subnormal"),
-     (2, 1, 128, jnp.bfloat16, 4, 2, "biased"), (2, 4, 128, jnp.bfloat16, 16, 2, "subnormal")],
+    ("bits", "n_rep", "D", "dtype", "program_groups", "prefetch"),
+    [(2, 4, 128, jnp.bfloat16, 16, 1), (4, 8, 128, jnp.float16, 16, 2),
+     (2, 3, 64, jnp.float16, 8, 1), (4, 2, 64, jnp.bfloat16, 16, 1),
+     (2, 1, 128, jnp.bfloat16, 4, 2), (2, 4, 128, jnp.bfloat16, 16, 2)],
 )  # fmt: skip
-def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype, program_groups, prefetch,
-                                        mma_codes):  # fmt: skip
+def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype, program_groups, prefetch):
     _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=True,
-                  program_groups=program_groups, prefetch=prefetch,
-                  mma_codes=mma_codes)  # fmt: skip
+                  program_groups=program_groups, prefetch=prefetch)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -94,18 +75,15 @@ def test_logits_match_float64_interpret(rng, bits, n_rep, D, dtype, program_grou
 @pytest.mark.parametrize("n_rep", [2, 3, 4, 8])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("mma_codes", gq.CODES)
-def test_logits_match_float64_gpu(rng, bits, n_rep, D, dtype, mma_codes):
+def test_logits_match_float64_gpu(rng, bits, n_rep, D, dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    _check_logits(
-        rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=False, mma_codes=mma_codes
-    )
+    _check_logits(rng, bits=bits, n_rep=n_rep, D=D, dtype=dtype, interpret=False)
 
 
 def _check_logits(
-    rng, *, bits, n_rep, D, dtype, interpret, program_groups=16, prefetch=1, mma_codes="biased",
-    B=3, H=2, C=1152,
+    rng, *, bits, n_rep, D, dtype, interpret, program_groups=16, prefetch=1, B=3, H=2,
+    C=1152,
 ):  # fmt: skip
     # C: 36 key groups, so a row's last program holds fewer (4 of 16, 4 of 8); lengths: at
     # the capacity, a quantized part ending mid-program, and a row with no quantized key
@@ -119,7 +97,7 @@ def _check_logits(
     logits, maxima = gq.gqa_key_scores(
         q, jnp.asarray(codes), s, z, jnp.asarray(lengths), q_scale=q_scale, bits=bits,
         group_size=32, residual_length=R, program_groups=program_groups, prefetch=prefetch,
-        mma_codes=mma_codes, interpret=interpret,
+        interpret=interpret,
     )  # fmt: skip
     P, span = -(-36 // program_groups), 32 * program_groups  # programs a row, their tokens
     slots = gq.head_slots(n_rep)  # 1, 2, 4, 4, 8 for n_rep 1, 2, 3, 4, 8
@@ -150,22 +128,21 @@ def test_unsupported_configurations_are_named():
         jax.eval_shape(
             functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
                               residual_length=128, program_groups=16, prefetch=1,
-                              mma_codes="biased", interpret=True),
+                              interpret=True),
             sd((1, 1, 9, 128), jnp.bfloat16), sd((1, 1, 64, 128), jnp.uint8),
             sd((1, 1, 8, 128), jnp.bfloat16), sd((1, 1, 8, 128), jnp.bfloat16),
             sd((1,), jnp.int32),
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("mma_codes", gq.CODES)
-def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch, mma_codes):
+def test_lowers_for_cuda_to_tensor_core_mma(monkeypatch):
     # on a CPU-only jaxlib the kernel lowers to Triton IR for "cuda": the mma is its own inline
     # PTX, not a Triton dot (whose operand layouts Triton would choose and stage through shared
     # memory); benchmarks/kernel_sass.py builds it to SASS
     sd = jax.ShapeDtypeStruct
     f = functools.partial(gq.gqa_key_scores, q_scale=1.0, bits=2, group_size=32,
                           residual_length=128, program_groups=16, prefetch=1,
-                          mma_codes=mma_codes, interpret=False)  # fmt: skip
+                          interpret=False)  # fmt: skip
     args = (sd((1, 2, 4, 128), jnp.bfloat16), sd((1, 2, 256, 128), jnp.uint8),
             sd((1, 2, 32, 128), jnp.bfloat16), sd((1, 2, 32, 128), jnp.bfloat16),
             sd((1,), jnp.int32))  # fmt: skip

@@ -40,7 +40,7 @@ last R tokens: full-precision values, and keys either quantized or, from Qk on,
 full-precision), then reads its split's logits once, exponentiates against the larger of the
 row's quantized max and its tail share's max, and accumulates. XLA merges the splits' partial
 softmaxes at the end. With MHA the score kernel's loop is left to Triton's software pipeliner
-(`GpuTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
+(`KernelTuning.score_stages`, `triton_stages`): its loads go into shared memory by cp.async, two
 tiles ahead, without holding registers. (A third kernel that folded the query into every key
 group first, for the score kernel to read as int16 words, was slower at every shape measured:
 docs/history.md.) IDP.4A, IDP.2A and PRMT are inline PTX (`ptx`, with the jnp twins that
@@ -92,11 +92,11 @@ _LOG2E = math.log2(math.e)
 _MAX_CHAIN = 64
 
 
-# GpuTuning fields that may be None: a default chosen by the shape (see their methods).
+# Fields that may be None: a default chosen by the shape (see the methods).
 _NONE_MEANS_DEFAULT = (
+    "num_splits",
     "score_slices",
     "value_quads",
-    "num_splits",
     "score_stages",
     "gqa_program_groups",
 )
@@ -105,121 +105,60 @@ _NONE_MEANS_DEFAULT = (
 _CHOICES = {
     "gqa_scores": ("cuda_cores", "tensor_cores"),
     "gqa_values": ("cuda_cores", "tensor_cores"),
-    "mma_codes": gqa_scores.CODES,
 }
+
+# Warps per program of both CUDA-core kernels: one, so that the value kernel's layout
+# conversions are shuffles (2 and 4 warps ran slower in every kernel: docs/history.md R2, R6,
+# R10). Triton's num_stages for both (3 no faster, 1 slower: R1, R6); their loops are
+# pipelined only where `KernelTuning.score_stages` marks them.
+_NUM_WARPS = 1
+_NUM_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuTuning:
-    """Tile sizes of the GPU kernels, and one precision trade-off (`value_parts`). Apart from
-    `value_parts`, no effect on results beyond rounding (float32 summation order, and which
-    value weights share an int8 scale). Every field must be a positive int unless said;
-    warps and slices powers of two; a bad value raises a ValueError naming the field, an
-    unknown one a TypeError. `docs/history.md` holds the sweeps behind every default.
+    """What a user may set of the GPU kernels: one precision trade-off (`value_parts`), the
+    device's size, and which kernels run with GQA. Apart from `value_parts`, no effect on
+    results beyond rounding (float32 summation order, and which value weights share an int8
+    scale). Ints must be positive; a bad value raises a ValueError naming the field, an
+    unknown field a TypeError. The kernels' tile sizes are settled choices, each with its
+    measured reason, in `KernelTuning`.
 
-    score_rows: key rows per iteration of the score kernel (a row: 4 tokens at 2 bits, 2 at 4
-      bits, of every channel; rounded to whole key groups of G tokens).
-    score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
-      the thread; with a row in 8 pieces of 4 words every thread owns whole rows). None: by
-      the key bit width (`key_slices`: 2 at 2 bits, 1 at 4 bits).
-    score_program_groups: key groups per score-kernel program (rounded down to a power of
-      two, at most the capacity's groups rounded up to one, at least the groups per
-      iteration; a row's last program holds the rest of its groups, `score_tiles`).
-    score_warps, value_warps: warps per score / value program (one: the value kernel's
-      layout conversions are then shuffles; 2 and 4 ran slower).
-    value_quads: quads of 4 tokens per value sub-tile (with value_warps, the thread layout:
-      a thread holds one quad's words of one channel group). None: by the value bit width
-      (`quads`: 16 at 2 bits, 8 at 4 bits).
-    value_chain: value sub-tiles per iteration whose integer dot products a thread chains
-      into the same accumulators before they are scaled into float32 (the weights' int8 scale
-      is the largest weight among those 4 * value_chain tokens); at most 64 (the chained int32
-      sums would overflow).
-    prefetch: tiles whose loads are issued ahead of the one being computed, held in registers
-      (the value kernel, the score kernel at 1 stage, and the tensor-core score kernel).
-    score_stages: software-pipeline stages of the score kernel's loop (> 1): Triton issues the
-      loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
-      (cp.async: no registers held while they are in flight; `triton_stages`, a private jax
-      hook: where jax lacks it the kernels warn once and use the register prefetch); 1: the
-      register prefetch. None: by the query heads per KV head, the key bit width and the
-      programs (`key_stages`: 3 for MHA, but 1 for 2-bit keys in at most `one_wave` programs;
-      1 for GQA).
-    value_interleave (bool): a row's value splits take its tiles in turn (tile k of split s
-      is the row's tile k * splits + s), so that they walk neighbouring tiles together;
-      False: one contiguous range each.
-    value_parts: int8 parts that carry each value weight p_t s_t, 1 or 2. 2: error at most
-      1/64516 of the largest weight of its chain, finer than bfloat16. 1 trades precision for
-      speed: at most 1/254 of it (about bfloat16's step for the largest weight, coarser for
-      the rest; ~4x the error of a plain bf16 attention, 25-30x a plain fp16 one's,
-      `benchmarks/value_parts_error.py`), half the value kernel's integer dot products (value
-      kernel 162.6 -> 138.2 µs at 8 x 32k, 2 bits, docs/history.md R5). The folded query is
-      always an int16 per channel (with one int8 part keys' outlier channels left the others
-      too coarse).
-    num_splits: value-kernel token splits per (sequence, query head); None: the largest power
-      of two at or below ceil(target_programs / (batch x query heads)).
-    target_programs: the programs `num_splits` None aims at.
+    value_parts: int8 parts that carry each value weight p_t s_t, 1 or 2. 2 (the default):
+      error at most 1/64516 of the largest weight of its chain, finer than bfloat16. 1 trades
+      precision for speed: at most 1/254 of it (about bfloat16's step for the largest weight,
+      coarser for the rest; ~4x the error of a plain bf16 attention, 25-30x a plain fp16
+      one's), half the value kernel's integer dot products (the value kernel 15% faster at
+      8 x 32k, 2 bits: docs/history.md R5). The folded query is always an int16 per channel
+      (with one int8 part, keys' outlier channels left the others too coarse).
+    num_splits: value-kernel token splits per (sequence, query head; with the tensor-core
+      value kernel, per KV head); None (the default): the largest power of two at or below
+      ceil(target_programs / rows) (at 8 x 32k, 5 splits ran the value kernel 14% slower
+      than 4 or 8: R5).
+    target_programs: the value-kernel programs `num_splits` None aims at: 8 per SM (an H100
+      or H200 has 132 SMs).
     one_wave: score-kernel programs that run in about one wave (an H200 holds up to 32
-      one-warp programs on each of its 132 SMs, 4224); `key_stages` picks the register
-      prefetch for 2-bit keys at or below it.
-    tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
-      (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
-      token splits in turn).
-    num_stages: Triton's num_stages for both kernels (their loops are pipelined only where
-      `score_stages` marks them).
-    gqa_scores: the score kernel with GQA (n_rep > 1): "tensor_cores"
-      (`gqa_scores.gqa_key_scores`: one warp per KV head scores its <= 8 query heads with
-      mma.sync) where it supports the configuration (`gqa_scores.supported_reason`: G = 32,
-      n_rep <= 8), else, or if "cuda_cores", `key_scores` (one program per query head).
-    gqa_program_groups: key groups per program of the tensor-core score kernel (its loads
-      issued `prefetch` groups ahead). None: by the programs (`gqa_groups`).
-    gqa_values: the value kernel with GQA, likewise: "tensor_cores"
-      (`gqa_values.gqa_weighted_values`: one warp per KV head and token split sums the
-      values of its <= 8 query heads with mma.sync; `num_splits` and `target_programs` then
-      count splits of a KV head's row) where `gqa_values.supported_reason` allows, else, or
-      if "cuda_cores", `_value_kernel` (one program per query head). With both on tensor
-      cores the Llama-3-8B-head step on the H200 ran 229.6 -> 145.0 µs at 8 x 32k, 2 bits,
-      and 269.8 -> 188.7 at 4 bits (benchmarks/results/gqa_tensor_core_values.md); at 1 x 32k,
-      once the split merge became a reduction, 39.6 -> 31.1 (one process, call s14-c2,
-      benchmarks/results/gqa_small_batch.md).
-    gqa_value_blocks: blocks of 16 tokens per iteration of the tensor-core value kernel
-      (a power of two dividing the capacity's blocks, at most this).
-    gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
-      all n_rep heads (each chunk's residual keys and values held in registers once).
-    mma_codes: how both tensor-core kernels turn codes into the mma's f16 operands
-      (`gqa_scores.code_operand`): "biased" (1024 + code: the code ORed into 1024.0's
-      mantissa, the 1024s taken off by an HSUB2 per operand register in the value kernel and
-      by the accumulators' start, an mma of A = -1024, in the score kernel) or "subnormal"
-      (the code alone under a zero exponent, the f16 subnormal c 2**-24: one AND per
-      register, no HSUB2 nor start, the 2**24 given back with the field's weight at the end;
-      the score kernel's sums then lose no bits to cancelling 1024s). The same result but
-      for rounding. "subnormal" needs tensor cores that take subnormal f16 operands (the GPU
-      tests check it); local SASS, sm_90a, n_rep 4 (`benchmarks/results/sass.md`): see
-      docs/history.md G15.
+      one-warp programs on each of its 132 SMs; 4096 chosen). At or below it the MHA score
+      kernel uses the register prefetch for 2-bit keys and the tensor-core score kernel 8
+      key groups a program (`KernelTuning.key_stages`, `gqa_groups`).
+    gqa_scores, gqa_values: the score and value kernels with GQA (n_rep > 1):
+      "tensor_cores" (the default: `gqa_scores.gqa_key_scores`, `gqa_values.
+      gqa_weighted_values`, one warp per KV head serving its <= 8 query heads with mma.sync)
+      where they support the configuration (`supported_reason` of each: G = 32, n_rep <= 8),
+      else, or if "cuda_cores", one program per query head (`key_scores`, `_value_kernel`).
+      With both on tensor cores the Llama-3-8B-head step on the H200 ran 37% less time at
+      8 x 32k, 2 bits, 30% less at 4 bits, and 21% less at 1 x 32k (docs/history.md G9, G10).
     """
 
-    score_rows: int = 16
-    score_slices: int | None = None
-    score_program_groups: int = 16
-    score_warps: int = 1
-    value_quads: int | None = None
-    value_chain: int = 2
-    value_warps: int = 1
-    prefetch: int = 1
-    score_stages: int | None = None
-    value_interleave: bool = True
     value_parts: int = 2
     num_splits: int | None = None
     target_programs: int = 8 * 132
     one_wave: int = 32 * 128
-    tail_slots: int = 16
-    num_stages: int = 2
     gqa_scores: str = "tensor_cores"
-    gqa_program_groups: int | None = None
     gqa_values: str = "tensor_cores"
-    gqa_value_blocks: int = 2
-    gqa_tail_slots: int = 4
-    mma_codes: str = "biased"
 
     def __post_init__(self):
+        name = type(self).__name__
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in _NONE_MEANS_DEFAULT:
@@ -227,24 +166,86 @@ class GpuTuning:
             if f.name in _CHOICES:
                 if v not in _CHOICES[f.name]:
                     names = " or ".join(map(repr, _CHOICES[f.name]))
-                    raise ValueError(f"GpuTuning.{f.name} must be {names}, got {v!r}")
+                    raise ValueError(f"{name}.{f.name} must be {names}, got {v!r}")
                 continue
             if f.name == "value_interleave":
                 if not isinstance(v, bool):
-                    raise ValueError(f"GpuTuning.{f.name} must be a bool, got {v!r}")
+                    raise ValueError(f"{name}.{f.name} must be a bool, got {v!r}")
                 continue
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"GpuTuning.{f.name} must be a positive int, got {v!r}")
-        for name in ("score_warps", "value_warps", "score_slices"):
-            v = getattr(self, name)
-            if v is not None and v & (v - 1):
-                raise ValueError(f"GpuTuning.{name} must be a power of two")
+                raise ValueError(f"{name}.{f.name} must be a positive int, got {v!r}")
         if self.value_parts not in (1, 2):
-            raise ValueError(f"GpuTuning.value_parts must be 1 or 2, got {self.value_parts}")
+            raise ValueError(f"{name}.value_parts must be 1 or 2, got {self.value_parts}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTuning(GpuTuning):
+    """`GpuTuning` and the kernels' tile sizes: settled choices, each default with its
+    measured reason (H200 sweeps, docs/history.md), in one place. The kernels run with
+    `KernelTuning(**asdict(tuning))` for a plain `GpuTuning` (`kernel_tuning`); the tests and
+    `benchmarks/attention.py --sweep` pass other tilings to reach the kernels' general paths at
+    small shapes (clamped tiles, several programs a row, uneven splits) and to time them.
+    score_slices must be a power of two.
+
+    score_rows: key rows per iteration of the score kernel (a row: 4 tokens at 2 bits, 2 at 4
+      bits, of every channel; rounded to whole key groups of G tokens). 16 (32 slower: R6, R12).
+    score_slices: pieces a key row is loaded in (each thread's share of a row is summed on
+      the thread). None: by the key bit width (`key_slices`).
+    score_program_groups: key groups per score-kernel program (rounded down to a power of
+      two, at most the capacity's groups rounded up to one, at least the groups per
+      iteration; a row's last program holds the rest of its groups, `score_tiles`). 16 (8:
+      2% faster at 4 bits, 4% slower at 2; 32 slower at 4 bits, even at 2: R12).
+    value_quads: quads of 4 tokens per value sub-tile (a thread holds one quad's words of one
+      channel group). None: by the value bit width (`quads`).
+    value_chain: value sub-tiles per iteration whose integer dot products a thread chains
+      into the same accumulators before they are scaled into float32 (the weights' int8 scale
+      is the largest weight among those 4 * value_chain tokens); at most 64 (the chained int32
+      sums would overflow). 2 (4 and 1 slower: R5, R6).
+    prefetch: tiles whose loads are issued ahead of the one being computed, held in registers
+      (the value kernel, the score kernel at 1 stage, and the tensor-core kernels). 1 (2 and
+      3 slower at every shape timed: R5-R11).
+    score_stages: software-pipeline stages of the score kernel's loop (> 1): Triton issues the
+      loads of a tile stages - 1 iterations ahead as asynchronous copies into shared memory
+      (cp.async: no registers held while they are in flight; `triton_stages`, a private jax
+      hook: where jax lacks it the kernels warn once and use the register prefetch); 1: the
+      register prefetch. None: by the configuration (`key_stages`).
+    value_interleave (bool): a row's value splits take its tiles in turn (tile k of split s
+      is the row's tile k * splits + s), so that they walk neighbouring tiles together
+      (about 1% faster: R9); False: one contiguous range each.
+    tail_slots: residual ring slots per chunk of a value-kernel program's share of the tail
+      (the largest power of two dividing R, at most tail_slots; chunks dealt out to the
+      token splits in turn). 16 (32 and 64 slower: E1).
+    gqa_program_groups: key groups per program of the tensor-core score kernel (its loads
+      issued `prefetch` groups ahead). None: by the programs (`gqa_groups`).
+    gqa_value_blocks: blocks of 16 tokens per iteration of the tensor-core value kernel
+      (a power of two dividing the capacity's blocks, at most this). 2 (1 and 4 slower:
+      G9).
+    gqa_tail_slots: `tail_slots` of the tensor-core value kernel, whose tail share serves
+      all n_rep heads (each chunk's residual keys and values held in registers once). 4 (the
+      value kernel 9% faster than with 16; 1 no faster: G9).
+    """
+
+    score_rows: int = 16
+    score_slices: int | None = None
+    score_program_groups: int = 16
+    value_quads: int | None = None
+    value_chain: int = 2
+    prefetch: int = 1
+    score_stages: int | None = None
+    value_interleave: bool = True
+    tail_slots: int = 16
+    gqa_program_groups: int | None = None
+    gqa_value_blocks: int = 2
+    gqa_tail_slots: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.score_slices is not None and self.score_slices & (self.score_slices - 1):
+            raise ValueError("KernelTuning.score_slices must be a power of two")
         if self.value_chain > _MAX_CHAIN:
             raise ValueError(
-                f"GpuTuning.value_chain={self.value_chain}: at most {_MAX_CHAIN} (the chained "
-                "int32 sums of the value kernel would overflow)"
+                f"KernelTuning.value_chain={self.value_chain}: at most {_MAX_CHAIN} (the "
+                "chained int32 sums of the value kernel would overflow)"
             )
 
     def key_slices(self, k_bits: int) -> int:
@@ -274,8 +275,8 @@ class GpuTuning:
         """gqa_program_groups, or if None the default for `rows` rows (sequences times KV
         heads) of n_groups key groups: 16, but 8 where 16 would leave fewer than `one_wave`
         programs. H200, Llama-3-8B heads, 2 bits, the tensor-core score kernel with 8
-        against 16: 1 x 32k 18.3 -> 13.6 µs (4: 14.7), 1 x 128k 48.7 -> 41.5, 16 x 2176
-        18.3 -> 14.0; at 8 x 32k (4096 programs) 71.9 -> 73.1 (docs/history.md, G10)."""
+        against 16: 26% less time at 1 x 32k (4: 20%), 15% at 1 x 128k, 23% at 16 x 2176;
+        at 8 x 32k (4096 programs) 2% more (docs/history.md, G10)."""
         if self.gqa_program_groups:
             return self.gqa_program_groups
         return 16 if rows * pl.cdiv(n_groups, 16) >= self.one_wave else 8
@@ -284,6 +285,14 @@ class GpuTuning:
         """value_quads, or if None the default for v_bits-bit values: 16 at 2 bits (the value
         kernel in 9% less time than with 8) and 8 at 4 bits (16 took 42% more)."""
         return self.value_quads or (16 if v_bits == 2 else 8)
+
+
+def kernel_tuning(tuning: GpuTuning) -> KernelTuning:
+    """The tuning the kernels run with: `tuning` if it is a KernelTuning, else `tuning`'s
+    fields with the settled tile sizes."""
+    if isinstance(tuning, KernelTuning):
+        return tuning
+    return KernelTuning(**dataclasses.asdict(tuning))
 
 
 def supported_config_reason(
@@ -324,6 +333,7 @@ def score_tiles(
     capacity's groups and the row's words, the groups per program (a multiple of the groups
     per iteration) need not divide the capacity's groups: the last program holds the rest
     (at 2176 tokens, 68 groups of 32: 16, 16, 16, 16 and 4)."""
+    tuning = kernel_tuning(tuning)
     n_groups = capacity // group_size
     rows_per_group = group_size * k_bits // 8
     groups_per_iter = _pow2_divisor(n_groups, max(1, tuning.score_rows // rows_per_group))
@@ -336,6 +346,7 @@ def score_tiles(
 def value_tiles(tuning: GpuTuning, *, capacity: int, v_bits: int) -> tuple[int, int]:
     """(quads per sub-tile, sub-tiles per iteration) that `weighted_values` runs with: powers
     of two, 4 times their product dividing the capacity."""
+    tuning = kernel_tuning(tuning)
     quads = _pow2_divisor(capacity // 4, tuning.quads(v_bits))
     return quads, _pow2_divisor(capacity // 4 // quads, tuning.value_chain)
 
@@ -344,6 +355,7 @@ def gqa_value_tiles(tuning: GpuTuning, *, capacity: int) -> int:
     """Blocks of 16 tokens per iteration that the tensor-core value kernel runs with
     (`gqa_values.gqa_weighted_values`): a power of two dividing the capacity's blocks, at most
     `tuning.gqa_value_blocks`."""
+    tuning = kernel_tuning(tuning)
     return _pow2_divisor(capacity // gqa_values.BLOCK, tuning.gqa_value_blocks)
 
 
@@ -686,6 +698,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     q * q_scale in float32) -> logits [B, H, n_rep, C] of the quantized keys (defined for
     t < Qk) and each program's max [B, H, n_rep, M] (P programs a row, M = P rounded up to a
     power of two, -1e30 past P: a value program reads them in one load where M <= 1024)."""
+    tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
     G, kpb = group_size, 8 // bits
     C = k_codes.shape[2] * kpb
@@ -727,9 +740,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
             jax.ShapeDtypeStruct((B, Hq, C // G, GB, *twos), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, M), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tuning.score_warps, num_stages=tuning.num_stages
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
         name="kivi_scores" if stages == 1 else triton_stages.staged_name("kivi_scores", stages),
     )(
@@ -771,6 +782,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     query head per program (the n_rep heads of a KV head read its value words in turn,
     through L2), except with GQA where `tuning.gqa_values` picks the tensor-core kernel and
     it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split)."""
+    tuning = kernel_tuning(tuning)
     B, H, slots, C = scores.shape
     n_rep = q.shape[2]
     P, R = block_max.shape[3], k_residual.shape[2]
@@ -790,7 +802,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
             tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
             tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
-            prefetch=tuning.prefetch, mma_codes=tuning.mma_codes, interpret=interpret,
+            prefetch=tuning.prefetch, interpret=interpret,
         )  # fmt: skip
     quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
     step = 4 * quads * chain
@@ -844,9 +856,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             jax.ShapeDtypeStruct((B, Hq, S, D), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tuning.value_warps, num_stages=tuning.num_stages
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
         name="kivi_values",
     )(
@@ -874,6 +884,7 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, 
     """The score kernel the tuning picks for q [B, H, n_rep, D]: with GQA the tensor-core one
     where `tuning.gqa_scores` asks for it and it applies (`gqa_scores.gqa_key_scores`), else
     `key_scores`; -> (logits, maxima) as each returns them."""
+    tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
     C = k_scale.shape[2] * group_size
     common = dict(q_scale=q_scale, bits=bits, group_size=group_size,
@@ -885,7 +896,7 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, 
         return gqa_scores.gqa_key_scores(
             q, k_codes, k_scale, k_zero, lengths,
             program_groups=tuning.gqa_groups(n_groups=C // group_size, rows=B * H),
-            prefetch=tuning.prefetch, mma_codes=tuning.mma_codes, **common,
+            prefetch=tuning.prefetch, **common,
         )  # fmt: skip
     return key_scores(q, k_codes, k_scale, k_zero, lengths, tuning=tuning, **common)
 

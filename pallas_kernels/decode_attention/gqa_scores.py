@@ -14,23 +14,20 @@ scores all n_rep <= 8 heads at once with `mma.sync.m16n8k16` (f16 operands, f32 
   lanes loaded each word and a load touched 8 bytes of each of 8 rows), in the order bytes
   0, 2, 1, 3: the word holds bytes 0 and 2 in its halves' low bytes, the word shifted right
   by 8 bytes 1 and 3, so a register is one mask of one of them (`code_operand`, one LOP3;
-  one shift a word, no byte moved). By `GpuTuning.mma_codes`, either
-  - "biased": the field with the exponent of 1024 ORed in, 1024 + c * 2**(bits*j) in each
-    half, exact. The 1024s' share of the sums, 1024 sum_d (q_hd s_gd), the same for every
-    token of a group, is taken off once per group: the accumulators start from an mma of B
-    with a constant A of -1024 (8 mma a group at D = 128 instead of an HSUB2 per A register,
-    64; the cancellation costs the float32 sums about 10 of their 24 bits: estimated errors
-    ~2**-14 of sum_d |q_hd s_gd|, below the f16 rounding of B; the GPU tests hold it to the
-    reference); or
-  - "subnormal": the field alone under a zero exponent, the f16 subnormal c * 2**(bits*j - 24),
-    exact: no start, nothing cancels.
+  one shift a word, no byte moved). The mask ORs in the exponent of 1024: the f16 number
+  1024 + c * 2**(bits*j) in each half, exact. The 1024s' share of the sums,
+  1024 sum_d (q_hd s_gd), the same for every token of a group, is taken off once per group:
+  the accumulators start from an mma of B with a constant A of -1024 (8 mma a group at
+  D = 128 instead of an HSUB2 per A register, 64; the cancellation costs the float32 sums
+  about 10 of their 24 bits: estimated errors ~2**-14 of sum_d |q_hd s_gd|, below the f16
+  rounding of B; the GPU tests hold it to the reference).
   Rows g and g + 8 of a fragment are fields j and j + 1 of the same word.
 * B (16 x 8, k = channels, n = heads): the query folded into the group's per-channel scales,
   q_hd s_gd, in f16 (relative error 2**-11 per term, sums in float32); heads past n_rep are 0.
   A group's scale and zero-point words are read by whole-warp loads (lane l: word l + 32 r)
   and handed to the lanes that need them by SHFL: 8 lanes share each word, and per-lane
   gathers of them held 32 registers of each group in flight, not 4.
-* The field's 2**(bits*j) (and 2**24 for "subnormal") and the zero points' sum_d q_hd z_gd
+* The field's 2**(bits*j) and the zero points' sum_d q_hd z_gd
   (summed over a head's 4 lanes by two butterfly shuffles) are applied to the accumulators
   per row.
 
@@ -78,7 +75,6 @@ GROUP_SIZE = 32  # the only key group size this kernel takes (two 16-row blocks 
 MAX_HEADS = 8  # query heads per KV head: the mma's N
 _MAGIC = 0x64006400  # 1024.0 in both f16 halves
 _MINUS_MAGIC = 0xE400E400 - (1 << 32)  # -1024.0 in both f16 halves (as an int32)
-CODES = ("biased", "subnormal")  # how codes become the mma's f16 operands: `code_operand`
 
 
 def head_slots(n_rep: int) -> int:
@@ -100,22 +96,11 @@ def supported_reason(*, n_rep: int, group_size: int, head_dim: int, k_bits: int)
     return None
 
 
-def code_operand(x, mask, magic, *, mma_codes: str, interpret: bool):
+def code_operand(x, mask, magic, *, interpret: bool):
     """The field that `mask` keeps in the low byte of each half of int32 [32] x, as an f16
-    pair for the mma (mma_codes: `CODES`). "biased": ORed into 1024.0's mantissa (`magic`), the
-    f16 number 1024 + field exactly, one LOP3 (the caller takes the 1024s off); "subnormal":
-    the field alone under a zero exponent, the f16 subnormal field * 2**-24 exactly, one AND
-    (`code_unit` gives the scale back; tensor cores take subnormal f16 operands as they are,
-    which the GPU tests check)."""
-    if mma_codes == "subnormal":
-        return x & mask
+    pair for the mma: ORed into 1024.0's mantissa (`magic`), the f16 number 1024 + field
+    exactly, one LOP3 (the caller takes the 1024s off)."""
     return and_or(x, mask, magic, interpret=interpret)
-
-
-def code_unit(mma_codes: str) -> float:
-    """What one unit of a field counts in `code_operand`'s f16 operands: 1 ("biased", once
-    the 1024s are off) or 2**-24 ("subnormal"); the mma's sums are divided by it."""
-    return 2.0**-24 if mma_codes == "subnormal" else 1.0
 
 
 def param_pair(w, dtype):
@@ -143,7 +128,6 @@ def _kernel(
     prefetch: int,
     q_scale: float,
     param_dtype,
-    mma_codes: str,
     interpret: bool,
 ):
     slots = s_ref.shape[0]
@@ -169,7 +153,6 @@ def _kernel(
     pair_src = [(c // 4, 8 * (c % 4) + 2 * t + o) for c in range(D // 16) for o in (0, 1)]
     head = jnp.minimum(g, n_rep - 1)
     q = [jnp.where(g < n_rep, q_ref[head, ch].astype(jnp.float32) * q_scale, 0.0) for ch in chans]
-    subnormal = mma_codes == "subnormal"
     magic = jnp.full((32,), _MAGIC, jnp.int32)
     minus_magic = jnp.full((32,), _MINUS_MAGIC, jnp.int32)
     field_masks = [  # field f of both halves' low bytes
@@ -215,11 +198,10 @@ def _kernel(
         # 2t + 8, 2t + 9
         halves = [y for x in words for y in (x, lax.shift_right_logical(x, 8))]
         start = [jnp.zeros((32,), jnp.float32)] * 4
-        if not subnormal:  # -1024 sum_d B[d, n] on every row
-            for c in range(D // 16):
-                start = mma_m16n8k16(
-                    [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
-                )
+        for c in range(D // 16):  # -1024 sum_d B[d, n] on every row
+            start = mma_m16n8k16(
+                [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
+            )
         maxima = list(maxima)
         for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
@@ -227,13 +209,13 @@ def _kernel(
             acc = start
             for c in range(D // 16):
                 a = [
-                    code_operand(y, m, magic, mma_codes=mma_codes, interpret=interpret)
+                    code_operand(y, m, magic, interpret=interpret)
                     for y in row_words[2 * c : 2 * c + 2]
                     for m in masks
                 ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
                 acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
             for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
-                score = acc[r] * (2.0 ** (-bits * field) / code_unit(mma_codes)) + bias[e]
+                score = acc[r] * 2.0 ** (-bits * field) + bias[e]
                 token = gi * G + kpb * token_bytes[n] + field
                 plgpu.store(s_ref.at[out_slot[e], token], score, mask=stored[e])
                 maxima[e] = jnp.maximum(maxima[e], score)
@@ -254,7 +236,7 @@ def _kernel(
 
 def gqa_key_scores(
     q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size, residual_length,
-    program_groups, prefetch, mma_codes, interpret,
+    program_groups, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
     [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, slots, C] (head
@@ -262,7 +244,7 @@ def gqa_key_scores(
     [B, H, slots, M] (8 per program, P programs of `program_groups` key groups per row,
     their loads issued `prefetch` groups ahead; -1e30 where a lane held no logit; M = 8 P
     rounded up to a power of two, the columns past 8 P -1e30, so that a value program reads
-    them in one load where M <= 1024). mma_codes: the mma's operands, `code_operand`."""
+    them in one load where M <= 1024)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
@@ -286,7 +268,6 @@ def gqa_key_scores(
             prefetch=prefetch,
             q_scale=q_scale,
             param_dtype=k_scale.dtype,
-            mma_codes=mma_codes,
             interpret=interpret,
         ),
         grid=(B, H, P),

@@ -11,9 +11,8 @@ for channel d of channel group g (G = 32 channels), p_ht = 2**(logit - m_h) the 
 weight of head h against the program's max for it.
 
 * A (16 x 16, rows = 16 channels of one channel group, k = 16 tokens): the value codes,
-  unpacked in registers into exact f16 numbers as `gqa_scores.code_operand` makes them, by
-  `GpuTuning.mma_codes`: integers ("biased": a LOP3 with the exponent of 1024, then an HSUB2
-  of 1024) or subnormals c * 2**-24 ("subnormal": one AND). A value byte holds `8 // bits`
+  unpacked in registers into exact f16 integers as `gqa_scores.code_operand` makes them (a
+  LOP3 with the exponent of 1024, then an HSUB2 of 1024). A value byte holds `8 // bits`
   channels of one token; lane l = 4 i + t owns, in each channel group, the 4 channels of its
   byte(s) (1 byte at 2 bits, 2 at 4) and the tokens t, t + 4, t + 8, t + 12 of each block of
   16 (k 2t, 2t + 1, 2t + 8, 2t + 9), so that the 4 lanes of a head read 4 adjacent logits per
@@ -27,7 +26,7 @@ weight of head h against the program's max for it.
 * B (16 x 8, k = tokens, n = heads): p_ht s_tg in f16 (p <= 1; relative error 2**-11 per
   term, sums in float32), computed by the lane for its head i and its 4 tokens; heads past
   n_rep are 0.
-* The field's 2**(bits*j) (and 2**24 for "subnormal"), the zero points' sum_t p_ht z_tg and
+* The field's 2**(bits*j), the zero points' sum_t p_ht z_tg and
   the weights' sum_t p_ht (float32 on CUDA cores, each lane over its 4 tokens, then summed
   over a head's 4 lanes by two butterfly shuffles) are applied to the accumulators at the end.
 
@@ -54,7 +53,6 @@ from kivi_jax.pallas_kernels.decode_attention.gqa_scores import (
     _MAGIC,
     MAX_HEADS,
     code_operand,
-    code_unit,
     param_pair,
 )
 from kivi_jax.pallas_kernels.decode_attention.ptx import (
@@ -117,7 +115,6 @@ def _kernel(
     q_scale: float,
     param_dtype,
     prefetch: int,
-    mma_codes: str,
     interpret: bool,
 ):
     n_rep, D = q_ref.shape
@@ -207,9 +204,9 @@ def _kernel(
     m_lane = _select(m, head)  # head i's max
 
     def unpack(x, f):
-        """f16 pair of field f: c * 2**(bits*f) in units of `code_unit(mma_codes)`, exact."""
-        y = code_operand(x, field_masks[f], magic, mma_codes=mma_codes, interpret=interpret)
-        return y if mma_codes == "subnormal" else sub_f16x2(y, magic, interpret=interpret)
+        """f16 pair of field f: c * 2**(bits*f), exact."""
+        y = code_operand(x, field_masks[f], magic, interpret=interpret)
+        return sub_f16x2(y, magic, interpret=interpret)
 
     def compute(k, tile, carry):
         acc, pz, ls = list(carry[0]), list(carry[1]), carry[2]
@@ -268,14 +265,14 @@ def _kernel(
         f0, f1 = fields[u]
         for r, (f, e) in enumerate([(f0, 0), (f0, 1), (f1, 0), (f1, 1)]):
             channel = (first_byte[g] + (u if vpb == 2 else 0)) * vpb + f
-            value = regs[r] * (2.0 ** (-bits * f) / code_unit(mma_codes)) + pz[g][e]
+            value = regs[r] * 2.0 ** (-bits * f) + pz[g][e]
             plgpu.store(o_ref.at[out_head[e], channel], value, mask=stored[e])
 
 
 def gqa_weighted_values(
     q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, *,
     q_scale, bits, group_size, splits, blocks, tokens_per_split, interleave, tail_slots,
-    max_chunk, prefetch, mma_codes, interpret,
+    max_chunk, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, Pm] (either
     score kernel's; slot h < n_rep read), v_codes uint8 [B, H, C, D / vpb], v_scale / v_zero
@@ -284,8 +281,7 @@ def gqa_weighted_values(
     share [B, H, n_rep, S, D], and the weights' sum [B, H, n_rep, S]. S = `splits` programs
     per (sequence, KV head), `blocks` blocks of 16 tokens per iteration, tokens_per_split (a
     multiple of 16 blocks) tokens each, their loads `prefetch` iterations ahead; the tail in
-    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time. mma_codes: the
-    mma's operands, `gqa_scores.code_operand`."""
+    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, v_bits=bits)
     if reason is not None:
@@ -309,7 +305,6 @@ def gqa_weighted_values(
             q_scale=q_scale,
             param_dtype=v_scale.dtype,
             prefetch=prefetch,
-            mma_codes=mma_codes,
             interpret=interpret,
         ),
         grid=(B, H, splits),
