@@ -49,7 +49,7 @@ latency-bound (docs/history.md, G8).
 
 Supported: group_size 32, head_dim a multiple of 16, n_rep <= 8, k_bits 2 or 4,
 bfloat16/float16 scales. Local SASS: `benchmarks/results/sass.md`; on the H200:
-`benchmarks/results/gqa_tensor_core_sweep.md`.
+`benchmarks/results/attention.md` (docs/performance.md).
 """
 
 from __future__ import annotations
