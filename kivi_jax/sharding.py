@@ -218,6 +218,21 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     )
 
 
+def restore_targets(abstract: LlamaParams, mesh: Mesh) -> LlamaParams:
+    """Shapes of the ordinary-order params with the shardings orbax restores them into: every
+    array as `param_sharding` splits it, w_qkv and w_gate_up over their ordinary columns
+    (`shard_params` then reorders them on the devices); a matrix whose columns do not divide
+    over "model" is read replicated."""
+    m = _model_size(mesh)
+
+    def target(x, sharding):
+        if sharding.spec == P(None, MODEL_AXIS) and x.shape[1] % m:
+            sharding = NamedSharding(mesh, P())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(target, abstract, param_sharding(abstract, mesh))
+
+
 def unshard_params(params: LlamaParams) -> LlamaParams:
     """Params placed by `shard_params` back in the ordinary column order, without a mesh (the
     arrays stay where they are; `jax.device_get` brings them to the host)."""

@@ -64,8 +64,13 @@ def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> Non
         json.dump(meta, f, indent=1)
 
 
-def restore_model(directory: str, *, dtype=None):
-    """Reads a directory written by `save_model`. Returns (LlamaParams, Tokenizer)."""
+def restore_model(directory: str, *, dtype=None, mesh=None):
+    """Reads a directory written by `save_model`. Returns (LlamaParams, Tokenizer).
+
+    With a `mesh` (kivi_jax.sharding), orbax restores every array straight into its shards
+    on the mesh (each device reads its part of the checkpoint; no host holds the whole
+    model), and the params come back placed on it (`sharding.shard_params`).
+    """
     import orbax.checkpoint as ocp
     import tokenizers
 
@@ -85,6 +90,11 @@ def restore_model(directory: str, *, dtype=None):
     from kivi_jax.models.llama import init_params
 
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        sharding.check_mesh(mesh, config)
+        abstract = sharding.restore_targets(abstract, mesh)
     try:
         tree = ocp.StandardCheckpointer().restore(
             os.path.join(directory, "params"), _to_tree(abstract)
@@ -101,6 +111,8 @@ def restore_model(directory: str, *, dtype=None):
     validate_params(params)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = params.astype(dtype)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     tokenizer = Tokenizer(
         backend=tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")),
         eos_id=meta.get("eos_id"),

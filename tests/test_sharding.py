@@ -1,0 +1,78 @@
+"""kivi_jax.sharding: the column order on one device here; everything that needs several devices
+runs in tests/sharding_cases.py, in a process with 4 host devices (the rest of the suite keeps
+one device)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from tiny_model import tiny_config
+
+from kivi_jax import sharding
+
+TESTS = Path(__file__).parent
+
+
+def run_cases(markexpr: str) -> None:
+    """tests/sharding_cases.py under pytest with 4 host devices; fails with its output."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", markexpr]
+    cmd.append(str(TESTS / "sharding_cases.py"))
+    done = subprocess.run(
+        cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1200
+    )
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "passed" in summary and "skipped" not in summary, (
+        done.stdout[-6000:] + done.stderr[-3000:]
+    )
+
+
+def test_multi_device_cases():
+    """Sharded generate equals unsharded for each cache kind and each mesh once (pairwise),
+    the state's shardings, the decode step's collectives, restore into shards, bad meshes."""
+    run_cases("not slow")
+
+
+@pytest.mark.slow
+def test_multi_device_cases_full_product(request):
+    if "slow" not in request.config.getoption("markexpr"):
+        pytest.skip("every cache kind on every mesh: run with `pytest -m slow`")
+    run_cases("slow")
+
+
+def test_qkv_columns_are_per_shard_contiguous():
+    # 4 query heads, 2 KV heads of width 1 on 2 devices: ordinary columns q0 q1 q2 q3 k0 k1 v0 v1
+    # (0..7); shard 0 takes q0 q1 k0 v0, shard 1 q2 q3 k1 v1.
+    c = tiny_config(num_heads=4, num_kv_heads=2, head_dim=2)
+    cols = sharding._qkv_columns(c, 2).reshape(-1, 2)[:, 0] // 2  # one entry per head
+    np.testing.assert_array_equal(cols, [0, 1, 4, 6, 2, 3, 5, 7])
+    # On 4 devices each KV head is read by 2 devices: k0 v0, k0 v0, k1 v1, k1 v1.
+    cols = sharding._qkv_columns(c, 4).reshape(-1, 2)[:, 0] // 2
+    np.testing.assert_array_equal(cols, [0, 4, 6, 1, 4, 6, 2, 5, 7, 3, 5, 7])
+    # One device: the ordinary order.
+    np.testing.assert_array_equal(sharding._qkv_columns(c, 1), np.arange(16))
+
+
+def test_gate_up_columns_are_per_shard_contiguous():
+    c = tiny_config(intermediate_size=4)  # gate 0..3, up 4..7
+    np.testing.assert_array_equal(sharding._gate_up_columns(c, 2), [0, 1, 4, 5, 2, 3, 6, 7])
+
+
+def test_one_device_mesh_keeps_every_weight_in_place():
+    import jax
+
+    from tiny_model import tiny_params
+
+    params = tiny_params()
+    placed = sharding.shard_params(params, Mesh(np.asarray(jax.devices()[:1]), ("model",)))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(placed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert sharding.shard_config(params.config, placed.mesh).num_heads == 4
