@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from kivi_jax.models import llama
-from tiny_model import tiny_params, write_hf_dir
+from tiny_model import tiny_params, write_gguf, write_hf_dir
 
 import kivi_jax
 from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, kv_head_axis
+from kivi_jax.cli import main
 from kivi_jax.generate import TokenStream, resolve_kv
 
 if jax.device_count() < 4:
@@ -193,9 +194,8 @@ def test_saved_model_restored_into_its_shards(tmp_path):
     w = again.params.layers[1].w_down
     assert w.sharding.spec == P("model", None)
     assert {s.data.shape for s in w.addressable_shards} == {(96 // 4, 64)}
-    for a, b in zip(
-        jax.tree.leaves(model.params), jax.tree.leaves(sharding.unshard_params(again.params))
-    ):
+    back = sharding.unshard_params(again.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -238,8 +238,22 @@ def test_bad_mesh_raises_before_anything_runs(case):
 
 
 def test_mesh_type_and_mismatch_errors():
-    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):
         sharding.check_mesh("model=4", tiny_params().config)
     placed = sharding.shard_params(params_of("model2"), make_mesh("model2"))
     with pytest.raises(ValueError, match="differs from the mesh the params are placed on"):
         kivi_jax.generate(placed, PROMPTS, kv="kivi2", max_new_tokens=2, mesh=make_mesh("model4"))
+
+
+def test_cli_tensor_parallel_answers_as_one_device(tmp_path, capsys):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params_of("model2"))
+    argv = ["the theme", "--model", path, "--kv", "kivi2", "--max-new-tokens", "6"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == one
+    assert "split over 2 devices" in err
+    assert main([*argv, "--tensor-parallel", "3"]) == 2  # 4 query heads on 3 devices
+    assert "4 query heads are not divisible by the 'model' axis of 3" in capsys.readouterr().err

@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from tiny_model import tiny_config
+from tiny_model import tiny_config, tiny_params
 
 from kivi_jax import sharding
 
@@ -67,10 +68,6 @@ def test_gate_up_columns_are_per_shard_contiguous():
 
 
 def test_one_device_mesh_keeps_every_weight_in_place():
-    import jax
-
-    from tiny_model import tiny_params
-
     params = tiny_params()
     placed = sharding.shard_params(params, Mesh(np.asarray(jax.devices()[:1]), ("model",)))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(placed), strict=True):
