@@ -31,6 +31,7 @@ still holds one head), and `wk`, `wv` are stored M / H times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -120,14 +121,15 @@ def check_mesh(mesh, config: LlamaConfig, batch: int | None = None) -> None:
 
 def shard_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:
     """The config of one shard: its query heads, KV heads and MLP width, and the mesh axis over
-    which the attention and MLP outputs are summed."""
+    which the attention and MLP outputs are summed (none on a "model" axis of one device: the
+    shard is the whole model, and its program holds no all-reduce)."""
     m = _model_size(mesh)
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // m,
         num_kv_heads=kv_heads_on_mesh(config.num_kv_heads, mesh) // m,
         intermediate_size=config.intermediate_size // m,
-        tensor_parallel_axis=MODEL_AXIS,
+        tensor_parallel_axis=MODEL_AXIS if m > 1 else None,
     )
 
 
@@ -290,19 +292,19 @@ def init_cache(
 ):
     """`kivi_jax.init_cache` made directly in its shards on `mesh` (no device holds the whole
     state). `num_kv_heads` is the model's; the state holds kv_heads_on_mesh of them."""
+    kw = dict(batch=batch, max_len=max_len, head_dim=head_dim, num_layers=num_layers)
+    heads = kv_heads_on_mesh(num_kv_heads, mesh)
+    return _cache_maker(config, mesh, heads, jnp.dtype(dtype), tuple(sorted(kw.items())))()
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_maker(config, mesh: Mesh, num_kv_heads: int, dtype, kw: tuple):
+    """One compiled program per state shape (a fresh jit per call would compile every time)."""
 
     def make():
-        return cache_lib.init_cache(
-            config,
-            batch=batch,
-            max_len=max_len,
-            num_kv_heads=kv_heads_on_mesh(num_kv_heads, mesh),
-            head_dim=head_dim,
-            dtype=dtype,
-            num_layers=num_layers,
-        )
+        return cache_lib.init_cache(config, num_kv_heads=num_kv_heads, dtype=dtype, **dict(kw))
 
-    return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), mesh))()
+    return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), mesh))
 
 
 # ----------------------------------------------------------------------------- sharded entry points

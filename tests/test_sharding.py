@@ -2,7 +2,9 @@
 runs in tests/sharding_cases.py, in a process with 4 host devices (the rest of the suite keeps
 one device)."""
 
+import collections
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from jax.sharding import Mesh
 from tiny_model import tiny_config, tiny_params
 
 from kivi_jax import sharding
+from kivi_jax.generate import TokenStream
 
 TESTS = Path(__file__).parent
 
@@ -72,4 +75,16 @@ def test_one_device_mesh_keeps_every_weight_in_place():
     placed = sharding.shard_params(params, Mesh(np.asarray(jax.devices()[:1]), ("model",)))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(placed), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert sharding.shard_config(params.config, placed.mesh).num_heads == 4
+    assert sharding.shard_config(params.config, placed.mesh) == params.config
+
+
+def test_one_device_mesh_compiles_the_one_device_decode_step():
+    """Same operations (no all-reduce of one device), so the same speed."""
+    params, mesh = tiny_params(), Mesh(np.asarray(jax.devices()[:1]), ("model",))
+    prompts = np.random.default_rng(0).integers(3, 200, (2, 40))
+
+    def ops(mesh):
+        stream = TokenStream(params, prompts, kv="kivi2", max_new_tokens=4, mesh=mesh)
+        return collections.Counter(re.findall(r"= \S+ ([a-z\-]+)\(", stream._step.as_text()))
+
+    assert ops(mesh) == ops(None)
