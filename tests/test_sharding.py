@@ -3,6 +3,7 @@ runs in tests/sharding_cases.py, in a process with 4 host devices (the rest of t
 one device)."""
 
 import collections
+import json
 import os
 import re
 import subprocess
@@ -88,3 +89,29 @@ def test_one_device_mesh_compiles_the_one_device_decode_step():
         return collections.Counter(re.findall(r"= \S+ ([a-z\-]+)\(", stream._step.as_text()))
 
     assert ops(mesh) == ops(None)
+
+
+def test_scaling_table_follows_from_the_memory_accounting():
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    import scaling_table as st
+
+    c = st.MODELS["Llama-3-70B"]
+    d, f, v, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_layers
+    whole = 2 * (2 * v * d + d + layers * 2 * d)  # bf16 embedding, output, norms
+    split = 2 * layers * (d * (64 + 2 * 8) * 128 + 64 * 128 * d + 3 * d * f)  # q/k/v, wo, MLP
+    for n in st.DEVICES:
+        assert st.weight_bytes_per_device(c, n) == whole + split // n
+    # bf16 cache: 1024 tokens x 2 (k, v) x 128 channels x 2 bytes per KV head and layer; the
+    # 8 KV heads split over the devices.
+    assert st.cache_bytes_per_1k_tokens(c, "full", 4) == 1024 * 2 * 128 * 2 * layers * 2
+    # A row's bf16 state for 4096 tokens, plus 5 bytes of counters (lengths, overflow) a layer.
+    assert st.row_bytes(c, "full", 8, 4096) == layers * (4096 * 2 * 128 * 2 + 5)
+    # KIVI-2 holds 1k tokens in about a quarter of bf16 (2-bit codes, scales, the window).
+    assert 0.2 < st.cache_bytes_per_1k_tokens(c, "kivi2", 1) / (1024 * 2 * 128 * 2 * 80 * 8) < 0.3
+    rows = st.table()
+    full_8 = next(r for r in rows if r["model"] == "Llama-3-70B" and r["devices"] == 8)
+    left = st.SHARE * st.CARD_GB * 1e9 - st.weight_bytes_per_device(c, 8)
+    assert full_8["max_batch_4k"] == int(left // st.row_bytes(c, "full", 8, 4096))
+    # docs/scaling.md quotes the committed table: it is what the script prints now.
+    committed = TESTS.parent / "benchmarks" / "results" / "scaling_table.json"
+    assert json.loads(committed.read_text()) == json.loads(json.dumps(rows))
