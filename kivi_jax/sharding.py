@@ -364,12 +364,6 @@ def forward(params: LlamaParams, tokens, lengths=None, *, attention=None):
     return _shard_map(run, mesh, in_specs, b)(params, tokens, lengths)
 
 
-def place_batch(mesh: Mesh, *arrays):
-    """Arrays whose axis 0 is the batch, split over "data" (replicated over "model")."""
-    sharding = NamedSharding(mesh, P(_data_axis(mesh)))
-    return tuple(jax.device_put(x, sharding) for x in arrays)
-
-
 def mesh_for(params: LlamaParams, mesh: Mesh | None) -> Mesh | None:
     """The mesh a call runs on: `mesh`, or the one `params` were placed on (ValueError if both
     are given and differ)."""
