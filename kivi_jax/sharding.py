@@ -196,7 +196,8 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
 
     def place(name, x, sharding):
         if name in cols and not np.array_equal(cols[name], np.arange(x.shape[1])):
-            x = jnp.take(x, cols[name], axis=1)
+            # one reordered matrix at a time: done before the next one starts
+            return jax.block_until_ready(jax.device_put(jnp.take(x, cols[name], axis=1), sharding))
         return jax.device_put(x, sharding)
 
     layers = tuple(
@@ -246,9 +247,7 @@ def unshard_params(params: LlamaParams) -> LlamaParams:
         ("w_qkv", _qkv_columns(params.config, m)),
         ("w_gate_up", _gate_up_columns(params.config, m)),
     ):
-        first = np.zeros(cols.max() + 1, np.int64)
-        first[cols[::-1]] = np.arange(len(cols))[::-1]  # the first column holding each
-        inverse[name] = first
+        _, inverse[name] = np.unique(cols, return_index=True)  # the first copy of each column
     layers = tuple(
         dataclasses.replace(
             lw, **{n: jnp.take(getattr(lw, n), idx, axis=1) for n, idx in inverse.items()}
