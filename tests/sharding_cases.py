@@ -197,6 +197,11 @@ def test_saved_model_restored_into_its_shards(tmp_path):
     back = sharding.unshard_params(again.params)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
+    # Saved from the mesh: the ordinary order again.
+    kivi_jax.save_model(again, tmp_path / "from_mesh")
+    third = kivi_jax.load_model(tmp_path / "from_mesh", dtype=jnp.float32)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(third.params), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def bad_meshes():

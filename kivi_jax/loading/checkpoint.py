@@ -43,9 +43,13 @@ def _to_tree(params: LlamaParams) -> dict:
 
 
 def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> None:
-    """Writes params + tokenizer to `directory` (created; must not already hold a checkpoint)."""
+    """Writes params + tokenizer to `directory` (created; must not already hold a checkpoint).
+    Params on a mesh are written in the ordinary column order, each device its part."""
     import orbax.checkpoint as ocp
 
+    from kivi_jax.sharding import unshard_params
+
+    params = unshard_params(params)
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
@@ -54,7 +58,12 @@ def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> Non
     tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
     meta = {
         "format": _FORMAT,
-        "config": dataclasses.asdict(params.config),
+        # a model's config: tensor_parallel_axis is None (only a shard's config sets it)
+        "config": {
+            k: v
+            for k, v in dataclasses.asdict(params.config).items()
+            if k != "tensor_parallel_axis"
+        },
         "dtype": jnp.dtype(params.dtype).name,
         "eos_id": tokenizer.eos_id,
         "bos_id": tokenizer.bos_id,
