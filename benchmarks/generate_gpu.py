@@ -23,6 +23,11 @@ measures the read bandwidth, then runs each row
 `generate_gpu.py row ...` in a subprocess and writes DIR/row_*.json; `merge` writes
 generate_gpu.json, generate_gpu.md and generate_gpu.png (ratios only between rows of the same
 call; a row measured again, in a later DIR, replaces the earlier one).
+
+`group --tensor-parallel N` runs the rows on a mesh of N devices (kivi_jax.sharding: the
+weights and the KV state in their shards, generate's programs under shard_map; N = 1 is a
+one-device mesh, to compare with the rows without one in the same call). Its row files
+record "tensor_parallel": N; give it an --out of its own (merge does not tell the rows apart).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import init_params
 
 import kivi_jax
+from kivi_jax import sharding
 from kivi_jax.generate import (
     KV_PRESETS,
     PROMPT_BUCKET,
@@ -203,11 +209,17 @@ def _log(what: str, t0: float) -> None:
     print(f"  {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
-def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
+def run_row(
+    row: Row, *, read_gbps: float, call: str, repeats: int, tensor_parallel: int | None = None
+) -> dict:
     c = row.config
     counter = CompileCounter()
     t_row = t0 = time.perf_counter()
     params = random_params(c, jax.random.key(0))
+    mesh = None
+    if tensor_parallel is not None:
+        mesh = sharding.tensor_parallel_mesh(tensor_parallel)
+        params = jax.block_until_ready(sharding.shard_params(params, mesh))
     init_s = time.perf_counter() - t0
     _log("weights", t_row)
     rng = np.random.default_rng(0)
@@ -248,8 +260,9 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         the state is allocated before the trace starts (at a large batch the host's work
         before the prefill can leave a gap as long as the pause). Returns the host seconds."""
         toks, lengths, cache, rows = _prepare(
-            params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling
-        )
+            params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling,
+            mesh=mesh,
+        )  # fmt: skip
         jax.block_until_ready(cache)
         kw = dict(max_new_tokens=row.new_tokens, sampling=sampling)
         jax.profiler.start_trace(trace_dir)
@@ -302,6 +315,7 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
         "prompt": row.prompt,
         "new_tokens": row.new_tokens,
         "call": call,
+        "tensor_parallel": tensor_parallel,
         "timing": timing,
         "step_ms": step_ms,
         "floor_ms": floor_ms,
@@ -392,6 +406,8 @@ def run_subprocess(spec: str, path: Path, *, env: dict, described: dict, args) -
     read_gbps = max(described["read_bandwidths_GBps"].values())
     cmd = [sys.executable, __file__, "row", spec, "--read-gbps", str(read_gbps)]
     cmd += ["--call", args.call, "--repeats", str(args.repeats), "--json", str(path)]
+    if getattr(args, "tensor_parallel", None) is not None:
+        cmd += ["--tensor-parallel", str(args.tensor_parallel)]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -796,6 +812,7 @@ def main(argv=None) -> None:
     g.add_argument("--rows", nargs="*", help="model:kv:batch:prompt+new (default: all)")
     g.add_argument("--repeats", type=int, default=2)
     g.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
+    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N", help="mesh of N")
     mb = sub.add_parser("max-batch", help="the largest batch that fits a memory budget")
     mb.add_argument("--out", type=Path, required=True)
     mb.add_argument("--call", required=True)
@@ -819,6 +836,7 @@ def main(argv=None) -> None:
     r.add_argument("--call", required=True)
     r.add_argument("--repeats", type=int, default=2)
     r.add_argument("--json", type=Path, required=True)
+    r.add_argument("--tensor-parallel", type=int, default=None, metavar="N")
     sub.add_parser("describe", help="print the device, versions and read bandwidths as JSON")
     m = sub.add_parser("merge", help="row files -> generate_gpu.json, .md, .png")
     m.add_argument("dirs", type=Path, nargs="+", help="call folders, or earlier generate_gpu.json")
@@ -830,7 +848,7 @@ def main(argv=None) -> None:
         max_batch(args)
     elif args.cmd == "row":
         out = run_row(Row.parse(args.spec), read_gbps=args.read_gbps, call=args.call,
-                      repeats=args.repeats)  # fmt: skip
+                      repeats=args.repeats, tensor_parallel=args.tensor_parallel)  # fmt: skip
         args.json.write_text(json.dumps(out, indent=1))
     elif args.cmd == "describe":
         print(json.dumps(describe_device()))

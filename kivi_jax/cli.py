@@ -86,6 +86,15 @@ def _parser() -> argparse.ArgumentParser:
         help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
         "several times slower), bfloat16 on accelerators (default: auto)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model's heads, MLP width and KV cache over the first N devices "
+        "(docs/scaling.md); N must divide the query heads and the MLP width, and the KV heads "
+        "or be a multiple of them (default: one device, no mesh)",
+    )
     return p
 
 
@@ -124,13 +133,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from kivi_jax.loading import ModelLoadError, load_model
 
+    mesh = None
+    if args.tensor_parallel is not None:
+        from kivi_jax.sharding import tensor_parallel_mesh
+
+        try:
+            mesh = tensor_parallel_mesh(args.tensor_parallel)
+        except ValueError as e:
+            err.write(f"\nkivi-generate: error: --tensor-parallel: {e}\n")
+            return 2
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     try:
-        model = load_model(args.model, dtype=getattr(jnp, dtype), progress=_Progress(err))
-    except ModelLoadError as e:
+        model = load_model(
+            args.model, dtype=getattr(jnp, dtype), progress=_Progress(err), mesh=mesh
+        )
+    except (ModelLoadError, ValueError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")
         return 2
     load_s = time.perf_counter() - t0
@@ -138,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     err.write(
         f"\r{' ' * 60}\rloaded {model.source} in {load_s:.1f}s: "
         f"{c.num_layers} layers, {c.num_heads} query / "
-        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}\n"
+        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}"
+        + ("" if mesh is None else f", split over {mesh.size} devices")
+        + "\n"
     )
     tok = model.tokenizer
     try:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import sharding
 from kivi_jax.cache import init_cache
 from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig
 from kivi_jax.memory import memory_report
@@ -217,9 +218,10 @@ def _prepare(
     max_new_tokens: int,
     sampling: Sampling,
     prefill_rows: int | None = None,
+    mesh=None,
 ):
     """Checks every input before anything runs; returns (tokens, lengths, empty cache, rows
-    prefilled at a time)."""
+    prefilled at a time). With a mesh the cache is made in its shards on it."""
     if not isinstance(params, LlamaParams):
         raise TypeError(f"params must be LlamaParams (model.params), got {type(params).__name__}")
     c = params.config
@@ -233,6 +235,8 @@ def _prepare(
             f"{list(tokens.shape)}"
         )
     B, S = tokens.shape
+    if mesh is not None:
+        sharding.check_mesh(mesh, c, B)
     if lengths is None:
         lengths = np.full((B,), S, np.int32)
     else:
@@ -267,7 +271,7 @@ def _prepare(
     width = -(-S // PROMPT_BUCKET) * PROMPT_BUCKET
     tokens = np.pad(np.where(real, tokens, 0), ((0, 0), (0, width - S))).astype(np.int32)
     # The cache can hold the padded prompt and every generated token.
-    cache = init_cache(
+    cache = (init_cache if mesh is None else functools.partial(sharding.init_cache, mesh=mesh))(
         kv_config,
         batch=B,
         max_len=width + max_new_tokens,
@@ -293,6 +297,7 @@ def generate(
     eos_id: int | None = None,
     lengths=None,
     prefill_rows: int | None = None,
+    mesh=None,
 ) -> jax.Array:
     """Generates `max_new_tokens` tokens after each prompt.
 
@@ -309,6 +314,10 @@ def generate(
       prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
         with it, not with the batch); None: all of them, or on a device that reports its
         memory as many as keep that memory within PREFILL_MEMORY_SHARE of it.
+      mesh: a jax.sharding.Mesh with a "model" axis and optionally "data" (kivi_jax.sharding):
+        heads, MLP width and the KV state split over "model", the batch over "data". Params
+        not yet on it are placed there (kivi_jax.sharding.shard_params; place them once to
+        save the copy per call). Default: the mesh the params carry, else one device.
 
     Returns:
       int32 [batch, max_new_tokens].
@@ -316,17 +325,26 @@ def generate(
     Raises:
       ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
         outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
-        lengths; all before anything is compiled or run.
+        lengths, a mesh that does not fit (sharding.check_mesh); all before anything is
+        compiled or run.
     """
     sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
+    mesh = _mesh_for(params, mesh)
     tokens, lengths, cache, rows = _prepare(
         params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
-        prefill_rows=prefill_rows,
+        prefill_rows=prefill_rows, mesh=mesh,
     )  # fmt: skip
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     n = int(max_new_tokens)
     kw = dict(max_new_tokens=n, sampling=sampling)
     state = _start_jit(params, tokens, lengths, cache, jax.random.key(seed), **kw, rows=rows)
     return _decode_jit(params, state, **kw).generated
+
+
+def _mesh_for(params, mesh):
+    """sharding.mesh_for once params are known to be LlamaParams (else _prepare says so)."""
+    return sharding.mesh_for(params, mesh) if isinstance(params, LlamaParams) else mesh
 
 
 @dataclasses.dataclass
@@ -359,6 +377,7 @@ class TokenStream:
     Runs the same prefill and decode-step functions as `generate` (which fuses them in one
     while_loop). Iterating yields int32 numpy [batch] per step; finished rows yield eos_id.
     Single-prompt use: `for tok in TokenStream(params, [ids], kv="kivi2", eos_id=eos): ...`
+    `mesh` as in `generate`.
     """
 
     def __init__(
@@ -374,15 +393,20 @@ class TokenStream:
         seed: int = 0,
         eos_id: int | None = None,
         lengths=None,
+        mesh=None,
     ):
-        self.params = params
+        mesh = _mesh_for(params, mesh)
         self.sampling = Sampling(
             temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id
         )
         self.max_new_tokens = int(max_new_tokens)
         self.tokens, self.lengths, cache, rows = _prepare(
-            params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling
-        )
+            params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling,
+            mesh=mesh,
+        )  # fmt: skip
+        if mesh is not None:
+            params = sharding.shard_params(params, mesh)
+        self.params = params
         report = memory_report(cache)
         self.stats = StreamStats(
             prompt_tokens=int(np.asarray(self.lengths).sum()),
@@ -412,6 +436,12 @@ class TokenStream:
             cache,
             key,
         )
+        if mesh is not None:  # the step takes the state as the prefill places it
+            state_shape = jax.tree.map(
+                lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                state_shape,
+                self._start.output_shardings,
+            )
         self._step = _step_jit.lower(params, state_shape, sampling=self.sampling).compile()
         self.stats.compile_s = time.perf_counter() - t0
         self._cache, self._key = cache, key

@@ -21,6 +21,10 @@ class LlamaConfig:
       rms_eps: RMSNorm epsilon.
       tie_embeddings: the output projection is the transposed embedding table.
       max_context: longest sequence (prompt + generated) the checkpoint was trained for.
+      tensor_parallel_axis: None for a model. Set only in the config of one shard under
+        `jax.shard_map` (kivi_jax.sharding.shard_config): its heads and MLP width are one
+        shard's, and the outputs of the attention's and the MLP's last projections are summed
+        over this mesh axis.
     """
 
     vocab_size: int
@@ -34,6 +38,7 @@ class LlamaConfig:
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     max_context: int = 2048
+    tensor_parallel_axis: str | None = None
 
     def __post_init__(self):
         for name in (

@@ -114,6 +114,10 @@ class LlamaParams:
     final_norm: jax.Array  # [d]
     lm_head: jax.Array | None  # [d, V], None when the embeddings are tied
     config: LlamaConfig = flax.struct.field(pytree_node=False)
+    # The mesh the weights are placed on (kivi_jax.sharding.shard_params: w_qkv and w_gate_up
+    # then hold their columns in per-shard order), None on one device. With a mesh, prefill,
+    # decode_step and forward run under shard_map.
+    mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def dtype(self):
@@ -211,6 +215,12 @@ def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
     return qkv[..., :n, :], qkv[..., n : n + h, :], qkv[..., n + h :, :]
 
 
+def _sum_shards(x: jax.Array, c: LlamaConfig) -> jax.Array:
+    """Under tensor parallelism (kivi_jax.sharding) the sum of every shard's partial output of
+    wo or w_down over the mesh axis; x itself on one device."""
+    return x if c.tensor_parallel_axis is None else jax.lax.psum(x, c.tensor_parallel_axis)
+
+
 def _mlp(lw: LayerWeights, x: jax.Array) -> jax.Array:
     gate_up = _dense(x, lw.w_gate_up)  # [..., 2F]
     F = lw.w_down.shape[0]
@@ -259,8 +269,8 @@ def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
         )  # [B, S, N, D]; padded keys (t >= lengths[b]) masked out
     else:
         attn = attention(q, k, v, lengths).astype(h.dtype)
-    h = h + _dense(attn.reshape(B, S, c.num_heads * c.head_dim), lw.wo)
-    h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+    h = h + _sum_shards(_dense(attn.reshape(B, S, c.num_heads * c.head_dim), lw.wo), c)
+    h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
     return h, q, k, v
 
 
@@ -302,6 +312,10 @@ def forward(
     Returns:
       float32 logits [B, S, V].
     """
+    if params.mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.forward(params, tokens, lengths, attention=attention)
     h, _ = _prompt_pass(params, tokens, lengths, attention, collect=False)
     return _logits(params, h)
 
@@ -325,6 +339,10 @@ def forward_with_qkv(
       (float32 logits [B, S, V], or [B, V] with `logits_at`; q [L, B, S, N, D]; k, v
       [L, B, S, H, D]).
     """
+    if params.mesh is not None:
+        raise NotImplementedError(
+            "forward_with_qkv runs on one device: kivi_jax.sharding.unshard_params(params)"
+        )
     h, qkv = _prompt_pass(params, tokens, lengths, attention, collect=True)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
@@ -351,6 +369,10 @@ def prefill(
       (float32 logits of each prompt's last real token [B, V], the filled states).
     """
     _check_tokens(params, tokens)
+    if params.mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.prefill(params, tokens, lengths, caches, rows=rows)
     B = tokens.shape[0]
     if rows is None or rows >= B:
         return _prefill_all(params, tokens, lengths, caches)
@@ -423,6 +445,10 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
     Returns:
       (float32 logits [B, V], the updated states).
     """
+    if params.mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.decode_step(params, tokens, positions, caches, active)
     c = params.config
     B = tokens.shape[0]
     h, updated = _embed(params, tokens), []
@@ -431,8 +457,8 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
         cache = cache_append(cache, k, v, active=active, q=q)
         attn = decode_attention(q, cache)  # [B, N, D], includes this token
-        h = h + _dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo)
-        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+        h = h + _sum_shards(_dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo), c)
+        h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
         updated.append(cache)
     return _logits(params, h), tuple(updated)
 

@@ -147,3 +147,10 @@ def test_help_gives_every_option_a_help_text_and_its_default(capsys):
         assert "(default: " in a.help, a.option_strings
         if a.default not in (None, False):
             assert f"(default: {a.default})" in a.help, a.option_strings
+
+
+def test_tensor_parallel_over_more_devices_than_here_is_an_error_before_loading(capsys):
+    assert main(["hi", "--tensor-parallel", "3", "--model", "unused"]) == 2
+    assert "--tensor-parallel: tensor parallelism over 3 devices, but only 1 are here" in (
+        capsys.readouterr().err
+    )

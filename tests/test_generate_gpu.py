@@ -94,3 +94,19 @@ def test_generate_dispatches_to_the_kernel_on_gpu():
     assert "pallas_call" in str(jaxpr)
     out = kivi_jax.generate(params, [[5, 6, 7, 8]], kv="kivi2", max_new_tokens=40)
     assert out.shape == (1, 40) and int(out.min()) >= 0 and int(out.max()) < c.vocab_size
+
+
+@pytest.mark.parametrize("kv", ["full", "kivi2"])
+def test_one_device_mesh_generates_the_same_tokens(kv):
+    # The fused append and decode kernels (cuDNN for the full cache) inside shard_map on a mesh
+    # of one GPU: the program of one device (tests/test_sharding.py), so the same tokens.
+    from jax.sharding import Mesh
+
+    params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
+    prompts = np.random.default_rng(0).integers(3, 200, (4, 150))
+    plain = kivi_jax.generate(params, prompts, kv=kv, max_new_tokens=40, lengths=[150, 90, 3, 128])
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("model",))
+    on_mesh = kivi_jax.generate(
+        params, prompts, kv=kv, max_new_tokens=40, lengths=[150, 90, 3, 128], mesh=mesh
+    )
+    np.testing.assert_array_equal(np.asarray(on_mesh), np.asarray(plain))

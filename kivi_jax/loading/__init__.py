@@ -71,7 +71,7 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | os.PathLike | None = None, *, dtype=jnp.bfloat16, progress=None
+    path: str | os.PathLike | None = None, *, dtype=jnp.bfloat16, progress=None, mesh=None
 ) -> Model:
     """Loads weights and tokenizer. See the module docstring for what `path` may be.
 
@@ -79,16 +79,20 @@ def load_model(
       path: model file or directory; None for the embedded default.
       dtype: parameter dtype (GGUF tensors are dequantized to float32, then cast).
       progress: optional callable(str) told about each stage (the CLI prints it on stderr).
+      mesh: optional jax.sharding.Mesh: the params come back placed on it
+        (kivi_jax.sharding.shard_params). A saved model is restored straight into its shards
+        (orbax); a GGUF or Hugging Face checkpoint is read on the host, then split.
 
     Raises:
       ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
+      ValueError: a mesh the model does not fit (kivi_jax.sharding.check_mesh).
     """
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
     if os.path.isdir(path):
         if is_saved_model(path):
-            params, tokenizer = restore_model(path, dtype=dtype)
+            params, tokenizer = restore_model(path, dtype=dtype, mesh=mesh)
         elif is_hf_dir(path):
             params, tokenizer = load_hf(path, dtype=dtype, progress=progress)
         else:
@@ -100,6 +104,10 @@ def load_model(
         params, tokenizer = load_gguf(path, dtype=dtype, progress=progress)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file, saved model or Hugging Face directory")
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        params = sharding.shard_params(params, mesh)  # as is where restore_model placed them
     return Model(params=params, tokenizer=tokenizer, source=path)
 
 

@@ -43,9 +43,13 @@ def _to_tree(params: LlamaParams) -> dict:
 
 
 def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> None:
-    """Writes params + tokenizer to `directory` (created; must not already hold a checkpoint)."""
+    """Writes params + tokenizer to `directory` (created; must not already hold a checkpoint).
+    Params on a mesh are written in the ordinary column order, each device its part."""
     import orbax.checkpoint as ocp
 
+    from kivi_jax.sharding import unshard_params
+
+    params = unshard_params(params)
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
@@ -54,7 +58,12 @@ def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> Non
     tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
     meta = {
         "format": _FORMAT,
-        "config": dataclasses.asdict(params.config),
+        # a model's config: tensor_parallel_axis is None (only a shard's config sets it)
+        "config": {
+            k: v
+            for k, v in dataclasses.asdict(params.config).items()
+            if k != "tensor_parallel_axis"
+        },
         "dtype": jnp.dtype(params.dtype).name,
         "eos_id": tokenizer.eos_id,
         "bos_id": tokenizer.bos_id,
@@ -64,8 +73,13 @@ def save_model(params: LlamaParams, tokenizer: Tokenizer, directory: str) -> Non
         json.dump(meta, f, indent=1)
 
 
-def restore_model(directory: str, *, dtype=None):
-    """Reads a directory written by `save_model`. Returns (LlamaParams, Tokenizer)."""
+def restore_model(directory: str, *, dtype=None, mesh=None):
+    """Reads a directory written by `save_model`. Returns (LlamaParams, Tokenizer).
+
+    With a `mesh` (kivi_jax.sharding), orbax restores every array straight into its shards
+    on the mesh (each device reads its part of the checkpoint; no host holds the whole
+    model), and the params come back placed on it (`sharding.shard_params`).
+    """
     import orbax.checkpoint as ocp
     import tokenizers
 
@@ -85,6 +99,11 @@ def restore_model(directory: str, *, dtype=None):
     from kivi_jax.models.llama import init_params
 
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
+    if mesh is not None:
+        from kivi_jax import sharding
+
+        sharding.check_mesh(mesh, config)
+        abstract = sharding.restore_targets(abstract, mesh)
     try:
         tree = ocp.StandardCheckpointer().restore(
             os.path.join(directory, "params"), _to_tree(abstract)
@@ -101,6 +120,8 @@ def restore_model(directory: str, *, dtype=None):
     validate_params(params)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = params.astype(dtype)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     tokenizer = Tokenizer(
         backend=tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")),
         eos_id=meta.get("eos_id"),

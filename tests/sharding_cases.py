@@ -1,0 +1,264 @@
+"""Tensor parallelism on 4 host devices (kivi_jax.sharding). Run by tests/test_sharding.py in a
+process of its own with XLA_FLAGS=--xla_force_host_platform_device_count=4, so that the rest
+of the suite keeps its one device: the pairwise cases there, the full product with -m slow.
+
+Meshes: (model=4) with 8 query / 4 KV heads, (data=2, model=2) and (model=2) with 4 query / 2
+KV heads, and (model=4) with 2 KV heads (each replicated over 2 devices).
+"""
+
+import functools
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from kivi_jax.models import llama
+from tiny_model import tiny_params, write_gguf, write_hf_dir
+
+import kivi_jax
+from kivi_jax import sharding
+from kivi_jax.cache import BATCH_AXIS, kv_head_axis
+from kivi_jax.cli import main
+from kivi_jax.generate import TokenStream, resolve_kv
+
+if jax.device_count() < 4:
+    pytest.fail(
+        "tests/sharding_cases.py needs 4 devices: run it through tests/test_sharding.py "
+        "(XLA_FLAGS=--xla_force_host_platform_device_count=4)",
+        pytrace=False,
+    )
+
+KVS = ("full", "kivi2", "kivi4", "kivi2-mix")
+MESHES = {  # name: (axis sizes, model heads)
+    "model4": ({"model": 4}, dict(num_heads=8, num_kv_heads=4)),
+    "data2_model2": ({"data": 2, "model": 2}, {}),
+    "model2": ({"model": 2}, {}),
+    "model4_kv_replicated": ({"model": 4}, {}),
+}
+# In CI each cache kind and each mesh once, through generate or (kivi2 on data=2, model=2) a
+# TokenStream, whose compiled decode step's collectives are checked; every pair under -m slow.
+PAIRWISE = list(zip(KVS, MESHES, strict=True))
+STREAMED = [("kivi2", "data2_model2"), ("full", "model4")]
+FULL = [c for c in itertools.product(KVS, MESHES) if c not in PAIRWISE]
+PROMPTS = np.random.default_rng(0).integers(3, 200, size=(4, 40))
+LENGTHS = np.array([40, 17, 33, 5])  # ragged: right-padded rows
+NEW = 12
+
+
+def make_mesh(name: str) -> Mesh:
+    sizes = MESHES[name][0]
+    devices = np.asarray(jax.devices()[: int(np.prod(list(sizes.values())))])
+    return Mesh(devices.reshape(tuple(sizes.values())), tuple(sizes))
+
+
+@functools.cache
+def params_of(mesh_name: str):
+    return tiny_params(**MESHES[mesh_name][1])
+
+
+@functools.cache
+def unsharded_tokens(kv: str, mesh_name: str) -> np.ndarray:
+    out = kivi_jax.generate(
+        params_of(mesh_name), PROMPTS, lengths=LENGTHS, kv=kv, max_new_tokens=NEW
+    )
+    return np.asarray(out)
+
+
+def expected_spec(path, x, mesh: Mesh) -> P:
+    axes = [None] * x.ndim
+    axes[BATCH_AXIS] = "data" if "data" in mesh.axis_names else None
+    if kv_head_axis(path) is not None:
+        axes[kv_head_axis(path)] = "model"
+    return P(*axes)
+
+
+def check_generate(kv: str, mesh_name: str):
+    mesh = make_mesh(mesh_name)
+    params = params_of(mesh_name)
+    placed = sharding.shard_params(params, mesh)
+    out = kivi_jax.generate(placed, PROMPTS, lengths=LENGTHS, kv=kv, max_new_tokens=NEW)
+    # Greedy tokens equal: no near-tie flipped in these cases (the logits are compared below).
+    np.testing.assert_array_equal(np.asarray(out), unsharded_tokens(kv, mesh_name))
+
+
+def check_state_sharding(kv: str, mesh_name: str):
+    """Each device holds its own KV heads (and rows, over "data") of every state array."""
+    mesh = make_mesh(mesh_name)
+    params = params_of(mesh_name)
+    placed = sharding.shard_params(params, mesh)
+    c = params.config
+    caches = sharding.init_cache(
+        resolve_kv(kv), mesh=mesh, batch=4, max_len=64 + NEW, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=jnp.float32, num_layers=c.num_layers,
+    )  # fmt: skip
+    tokens = jnp.asarray(np.pad(PROMPTS, ((0, 0), (0, 24))), jnp.int32)
+    logits, caches = jax.jit(llama.prefill)(placed, tokens, jnp.asarray(LENGTHS), caches)
+    want_logits, _ = jax.jit(llama.prefill)(
+        params, tokens, jnp.asarray(LENGTHS), kivi_jax.init_cache(
+            resolve_kv(kv), batch=4, max_len=64 + NEW, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, dtype=jnp.float32, num_layers=c.num_layers,
+        ),
+    )  # fmt: skip
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    heads = sharding.kv_heads_on_mesh(c.num_kv_heads, mesh)
+    m, d = mesh.shape["model"], dict(mesh.shape).get("data", 1)
+
+    def check(path, x):
+        spec = expected_spec(path, x, mesh)
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (path, x.sharding)
+        local = list(x.shape)
+        local[BATCH_AXIS] //= d
+        if kv_head_axis(path) is not None:
+            assert x.shape[kv_head_axis(path)] == heads
+            local[kv_head_axis(path)] //= m
+        assert all(s.data.shape == tuple(local) for s in x.addressable_shards), path
+
+    jax.tree_util.tree_map_with_path(check, caches)
+
+
+def decode_hlo(kv: str, mesh_name: str) -> str:
+    """The compiled decode step of a TokenStream on the mesh (its tokens checked too)."""
+    mesh = make_mesh(mesh_name)
+    stream = TokenStream(
+        params_of(mesh_name), PROMPTS, lengths=LENGTHS, kv=kv, max_new_tokens=NEW, mesh=mesh
+    )
+    tokens = np.stack(list(stream), axis=1)
+    np.testing.assert_array_equal(tokens, unsharded_tokens(kv, mesh_name))
+    return stream._step.as_text()
+
+
+def check_collectives(kv: str, mesh_name: str):
+    """One all-reduce of the [rows, d] residual after wo and one after w_down per block, and
+    no all-gather (nor any other collective) of the state."""
+    hlo = decode_hlo(kv, mesh_name)
+    mesh = make_mesh(mesh_name)
+    c = params_of(mesh_name).config
+    rows = 4 // dict(mesh.shape).get("data", 1)
+    reduces = re.findall(r"= f32\[(\d+),(\d+)\]\S* all-reduce(?:-start)?\(", hlo)
+    assert reduces.count((str(rows), str(c.hidden_size))) == 2 * c.num_layers, reduces
+    assert len(reduces) == 2 * c.num_layers, reduces
+    assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
+
+
+@pytest.mark.parametrize(("kv", "mesh_name"), [c for c in PAIRWISE if c not in STREAMED])
+def test_sharded_generate_equals_unsharded(kv, mesh_name):
+    check_generate(kv, mesh_name)
+
+
+@pytest.mark.parametrize(("kv", "mesh_name"), STREAMED)
+def test_stream_equals_unsharded_decode_step_all_reduces_twice_per_block(kv, mesh_name):
+    check_collectives(kv, mesh_name)
+
+
+@pytest.mark.parametrize(("kv", "mesh_name"), [PAIRWISE[1], PAIRWISE[3]])
+def test_state_split_over_kv_heads_and_rows(kv, mesh_name):
+    check_state_sharding(kv, mesh_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kv", "mesh_name"), FULL)
+def test_full_product(kv, mesh_name):
+    check_generate(kv, mesh_name)
+    check_state_sharding(kv, mesh_name)
+    check_collectives(kv, mesh_name)
+
+
+def test_params_round_trip_and_forward():
+    params = params_of("model4_kv_replicated")
+    placed = sharding.shard_params(params, make_mesh("model4_kv_replicated"))
+    # wk, wv stored twice (2 KV heads on 4 devices): 4 q heads + 2 * 4 kv heads of 32 columns
+    assert placed.layers[0].w_qkv.shape == (64, 12 * 32)
+    assert placed.layers[0].w_qkv.sharding.spec == P(None, "model")
+    back = sharding.unshard_params(placed)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tokens = jnp.asarray(PROMPTS[:, :9], jnp.int32)
+    np.testing.assert_allclose(
+        llama.forward(placed, tokens), llama.forward(params, tokens), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(NotImplementedError, match="unshard_params"):
+        llama.forward_with_qkv(placed, tokens)
+
+
+def test_saved_model_restored_into_its_shards(tmp_path):
+    write_hf_dir(str(tmp_path / "hf"), params_of("model4"))
+    model = kivi_jax.load_model(tmp_path / "hf", dtype=jnp.float32)
+    kivi_jax.save_model(model, tmp_path / "saved")
+    mesh = make_mesh("model4")
+    again = kivi_jax.load_model(tmp_path / "saved", dtype=jnp.float32, mesh=mesh)
+    assert again.params.mesh == mesh
+    w = again.params.layers[1].w_down
+    assert w.sharding.spec == P("model", None)
+    assert {s.data.shape for s in w.addressable_shards} == {(96 // 4, 64)}
+    back = sharding.unshard_params(again.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Saved from the mesh: the ordinary order again.
+    kivi_jax.save_model(again, tmp_path / "from_mesh")
+    third = kivi_jax.load_model(tmp_path / "from_mesh", dtype=jnp.float32)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(third.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def bad_meshes():
+    d = jax.devices()
+    tiny = tiny_params().config  # 4 query heads, 2 KV heads, MLP width 96
+    return [
+        (Mesh(np.asarray(d[:2]), ("x",)), tiny, 4, "needs a 'model' axis"),
+        (Mesh(np.asarray(d[:4]).reshape(2, 2), ("model", "pipe")), tiny, 4, r"\['pipe'\]"),
+        (Mesh(np.asarray(d[:3]), ("model",)), tiny, 3, "4 query heads are not divisible"),
+        (
+            Mesh(np.asarray(d[:4]), ("model",)),
+            tiny_params(num_heads=12, num_kv_heads=6).config,
+            4,
+            "6 KV heads are not divisible",
+        ),
+        (
+            Mesh(np.asarray(d[:4]), ("model",)),
+            tiny_params(intermediate_size=90).config,
+            4,
+            "MLP width 90",
+        ),
+        (
+            Mesh(np.asarray(d[:4]).reshape(2, 2), ("data", "model")),
+            tiny,
+            3,
+            "batch of 3 rows is not divisible by the 'data' axis",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_bad_mesh_raises_before_anything_runs(case):
+    mesh, config, batch, message = bad_meshes()[case]
+    with pytest.raises(ValueError, match=message):
+        sharding.check_mesh(mesh, config, batch)
+    params = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0)))
+    with pytest.raises(ValueError, match=message):  # shape-only params: nothing could run
+        kivi_jax.generate(params, PROMPTS[:batch], kv="kivi2", max_new_tokens=2, mesh=mesh)
+
+
+def test_mesh_type_and_mismatch_errors():
+    with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):
+        sharding.check_mesh("model=4", tiny_params().config)
+    placed = sharding.shard_params(params_of("model2"), make_mesh("model2"))
+    with pytest.raises(ValueError, match="differs from the mesh the params are placed on"):
+        kivi_jax.generate(placed, PROMPTS, kv="kivi2", max_new_tokens=2, mesh=make_mesh("model4"))
+
+
+def test_cli_tensor_parallel_answers_as_one_device(tmp_path, capsys):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params_of("model2"))
+    argv = ["the theme", "--model", path, "--kv", "kivi2", "--max-new-tokens", "6"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == one
+    assert "split over 2 devices" in err
+    assert main([*argv, "--tensor-parallel", "3"]) == 2  # 4 query heads on 3 devices
+    assert "4 query heads are not divisible by the 'model' axis of 3" in capsys.readouterr().err
