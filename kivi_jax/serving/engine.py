@@ -355,7 +355,9 @@ class Engine:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._occupant: list[RequestHandle | None] = [None] * self.slots
         self._long: _LongPrompt | None = None
-        self._events: collections.deque = collections.deque()  # device results not yet read
+        # device results not yet read: (tokens [rows] or [rows, steps], {slot: (its request,
+        # its row of the tokens)})
+        self._events: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
@@ -592,7 +594,7 @@ class Engine:
             stops, np.int32(slot), sampled=s.temperature > 0,
         )  # fmt: skip
         first.copy_to_host_async()
-        self._events.append(("first", first, (h,) + (None,) * (self.slots - 1), slot))
+        self._events.append((first, {slot: (h, 0)}))
         self._prompted += h.prompt_tokens
 
     def _decode_call(self) -> bool:
@@ -607,20 +609,17 @@ class Engine:
         self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
                                    sampled=sampled)  # fmt: skip
         out.copy_to_host_async()
-        self._events.append(("decode", out, live, None))
+        self._events.append((out, {s: (h, s) for s, h in enumerate(live) if h is not None}))
         self._decode_calls += 1
         return True
 
     def _drain(self, keep: int) -> None:
         """Reads back all but the `keep` newest device results, in order."""
         while len(self._events) > keep:
-            kind, array, owners, slot = self._events.popleft()
-            tokens = np.asarray(array)
-            rows = [(slot, owners[0], tokens)] if kind == "first" else [
-                (s, h, tokens[s]) for s, h in enumerate(owners) if h is not None
-            ]  # fmt: skip
-            for s, h, toks in rows:
-                for t in toks:
+            array, owners = self._events.popleft()
+            tokens = np.asarray(array).reshape(len(array), -1)  # [rows, tokens per row]
+            for s, (h, row) in owners.items():
+                for t in tokens[row]:
                     if h.done or t < 0:
                         break
                     self._generated += 1
