@@ -335,13 +335,7 @@ class Engine:
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
         self._state = _empty_state(params, self.kv, self.slots, self.max_len)
-        # the chunked prompt's full-precision K/V: a multiple of the chunk covering max_len
-        width = -(-self.max_len // self.prefill_chunk) * self.prefill_chunk
-        shape = (1, width, c.num_kv_heads, c.head_dim)
-        self._scratch = tuple(
-            (jnp.zeros(shape, params.dtype), jnp.zeros(shape, params.dtype))
-            for _ in range(c.num_layers)
-        )
+        self._scratch = self._new_scratch()
         self._slot_bytes = memory_report(self._state.caches).total_bytes
         row = jax.eval_shape(
             functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
@@ -519,6 +513,14 @@ class Engine:
 
     # ------------------------------------------------------------------------- scheduler
 
+    def _new_scratch(self) -> tuple:
+        """The chunked prompt's full-precision K/V per layer: (k, v) [1, P, H, D], P the
+        multiple of prefill_chunk that covers max_len."""
+        c, C = self.params.config, self.prefill_chunk
+        shape = (1, -(-self.max_len // C) * C, c.num_kv_heads, c.head_dim)
+        zeros = lambda: jnp.zeros(shape, self.params.dtype)
+        return tuple((zeros(), zeros()) for _ in range(c.num_layers))
+
     def _bucket(self, n: int) -> int:
         return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
 
@@ -638,12 +640,7 @@ class Engine:
             self._occupant = [None] * self.slots
             self._long, self._events = None, collections.deque()
             self._state = _empty_state(self.params, self.kv, self.slots, self.max_len)
-            c = self.params.config
-            shape = self._scratch[0][0].shape
-            self._scratch = tuple(
-                (jnp.zeros(shape, self.params.dtype), jnp.zeros(shape, self.params.dtype))
-                for _ in range(c.num_layers)
-            )
+            self._scratch = self._new_scratch()
 
     def _loop(self) -> None:
         while True:
