@@ -457,6 +457,22 @@ def test_an_engine_fault_fails_its_requests_with_a_500_and_the_server_serves_on(
     assert _metrics(fake.base)['kivi_requests_total{outcome="error"}'] == 2
 
 
+def test_a_client_leaving_before_its_whole_answer_cancels_it(fake):
+    u = urllib.parse.urlsplit(fake.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 240})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    end = time.monotonic() + 10
+    while fake.engine.stats().live_slots == 0:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    handle = fake.engine.submitted[-1]
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert handle.result(timeout=10) is not None and handle.finish_reason == "cancelled"
+    assert len(handle.tokens) < 240
+
+
 def test_health_is_503_until_the_programs_are_compiled(tiny):
     class SlowWarmup(FakeEngine):
         def warmup(self):
