@@ -52,6 +52,7 @@ from kivi_jax.generate import (
     Sampling,
     _decode_jit,
     _prepare,
+    _program_args,
     _start_jit,
     generate,
     resolve_kv,
@@ -251,13 +252,14 @@ def run_row(row: Row, *, read_gbps: float, call: str, repeats: int) -> dict:
             params, tokens, None, kv=row.kv, max_new_tokens=row.new_tokens, sampling=sampling
         )
         jax.block_until_ready(cache)
-        kw = dict(max_new_tokens=row.new_tokens, sampling=sampling)
+        per_row, start_kw, decode_kw = _program_args(sampling, row.batch, row.new_tokens)
+        n = jnp.int32(row.new_tokens)
         jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
-        state = _start_jit(params, toks, lengths, cache, jax.random.key(0), **kw, rows=rows)
+        state = _start_jit(params, toks, lengths, cache, per_row, **start_kw, prefill_rows=rows)
         jax.block_until_ready(state)
         time.sleep(PAUSE_S)
-        jax.block_until_ready(_decode_jit(params, state, **kw))
+        jax.block_until_ready(_decode_jit(params, state, n, **decode_kw))
         host = time.perf_counter() - t0
         jax.profiler.stop_trace()
         return host

@@ -22,7 +22,7 @@ import numpy as np
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import init_params
 
-from kivi_jax.generate import Sampling, _decode_jit, _prepare, _start, _start_jit
+from kivi_jax.generate import Sampling, _decode_jit, _prepare, _program_args, _start, _start_jit
 
 B, PROMPT, NEW = 16, 2048, 128
 LLAMA_2_7B = LlamaConfig(
@@ -38,12 +38,12 @@ def scratch_gb(kv: str) -> dict:
         params, np.zeros((B, PROMPT), np.int32), None, kv=kv, max_new_tokens=NEW, sampling=s
     )
     cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
-    key = jax.random.key(0)
-    kw = dict(max_new_tokens=NEW, sampling=s)
-    start = _start_jit.lower(params, tokens, lengths, cache, key, rows=rows, **kw).compile()
-    state = jax.eval_shape(functools.partial(_start, rows=rows, **kw), params, tokens, lengths,
-                           cache, key)  # fmt: skip
-    decode = _decode_jit.lower(params, state, **kw).compile()
+    per_row, kw, decode_kw = _program_args(s, B, NEW)
+    start = _start_jit.lower(params, tokens, lengths, cache, per_row, prefill_rows=rows, **kw)
+    start = start.compile()
+    state = jax.eval_shape(functools.partial(_start, prefill_rows=rows, **kw), params, tokens,
+                           lengths, cache, per_row)  # fmt: skip
+    decode = _decode_jit.lower(params, state, jnp.int32(NEW), **decode_kw).compile()
     return dict(
         kv=kv, rows=rows,
         start_temp_gb=start.memory_analysis().temp_size_in_bytes / 1e9,

@@ -5,8 +5,10 @@
     kivi_jax.decode_attention in every layer) -> sampled tokens
 
 `generate` runs two compiled programs, each with the KV state donated so that it is updated in
-place: the prefill with the first token, and the whole decode loop (with an EOS, steps in chunks
-of DECODE_CHUNK under one `lax.while_loop`, which stops once every row has produced it).
+place: the prefill with the first token, and the whole decode loop (steps in chunks of
+DECODE_CHUNK under one `lax.while_loop`, which stops after max_new_tokens or once every row has
+produced its EOS). Sampling values and max_new_tokens are traced (the programs are compiled for
+max_new_tokens rounded up to a multiple of DECODE_CHUNK), so a new value compiles nothing.
 `TokenStream` runs the prefill and one decode step at a time from Python so a CLI can print
 tokens as they come.
 """
@@ -36,10 +38,10 @@ KV_PRESETS: dict[str, KiviConfig | None] = {
     "kivi2-mix": KIVI2_MIX,
 }
 PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer recompilations)
-# Decode steps between two checks of whether every row is done (with an EOS). On a GPU each
-# check is a round trip to the host (the loop's condition is read back: gaps of over 2 ms on
-# the H200, docs/performance.md), while steps of a fixed count are not; rows done early stay
-# padded for at most DECODE_CHUNK - 1 steps.
+# Decode steps between two checks of whether the loop is done, and max_new_tokens' bucket. On a
+# GPU each check is a round trip to the host (the loop's condition is read back: gaps of over
+# 2 ms on the H200, docs/performance.md), while steps of a fixed count are not; a loop runs at
+# most DECODE_CHUNK - 1 steps past its end (appending nothing).
 DECODE_CHUNK = 32
 # With prefill_rows None, the prompt's working memory (activations and the states of the rows
 # being prefilled) is held to this share of the device's memory, where the device reports it.
@@ -74,11 +76,15 @@ def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How the next token is chosen (static under jit). temperature 0 is greedy (argmax)."""
+    """How one request's tokens are chosen. temperature 0 is greedy (argmax); otherwise its
+    samples are a function of its logits, `seed` and the token's index among its generated
+    tokens only (not of the batch it runs in). Under jit the values are traced per row
+    (`RowSampling`): a new value compiles nothing."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    seed: int = 0
     eos_id: int | None = None
 
     def __post_init__(self):
@@ -88,28 +94,67 @@ class Sampling:
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if not isinstance(self.seed, int | np.integer) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
 
     @property
     def pad_id(self) -> int:
         return 0 if self.eos_id is None else self.eos_id
 
 
-def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """logits float32 [B, V] -> int32 [B]: argmax, or temperature / top-k / top-p sampling."""
-    if s.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if s.top_p is not None and s.top_p < 1:
-        desc = -jnp.sort(-logits, axis=-1)  # [B, V] largest first
-        probs = jax.nn.softmax(desc, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
-        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+@flax.struct.dataclass
+class RowSampling:
+    """Sampling values per row, traced under jit (one program serves every value)."""
+
+    temperature: jax.Array  # float32 [B], 0: greedy
+    top_k: jax.Array  # int32 [B], 0: no top-k
+    top_p: jax.Array  # float32 [B], 1: no top-p
+    seed: jax.Array  # uint32 [B]
+
+    @classmethod
+    def of(cls, rows: Sequence[Sampling]) -> RowSampling:
+        return cls(
+            temperature=np.array([s.temperature for s in rows], np.float32),
+            top_k=np.array([s.top_k or 0 for s in rows], np.int32),
+            top_p=np.array([1.0 if s.top_p is None else s.top_p for s in rows], np.float32),
+            seed=np.array([s.seed for s in rows], np.uint32),
+        )
+
+
+def sample(logits: jax.Array, rows: RowSampling, index: jax.Array, *, sampled: bool) -> jax.Array:
+    """logits float32 [B, V] -> int32 [B]: argmax where a row's temperature is 0, else a sample
+    after temperature, top-k and top-p, drawn with the key fold_in(key(seed), index) of the
+    row (index int32 [B]: the token's index among the row's generated tokens). `sampled`
+    (static) False: every row is greedy and the program holds neither sort nor draw."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy
+    V = logits.shape[-1]
+    t = rows.temperature[:, None]
+    x = logits / jnp.where(t > 0, t, 1.0)
+    desc = -jnp.sort(-x, axis=-1)  # [B, V] largest first
+    k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, V), V)[:, None]  # [B, 1]
+    kth = jnp.take_along_axis(desc, k - 1, axis=-1)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    desc = jnp.where(jnp.arange(V) < k, desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < rows.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((rows.top_p[:, None] < 1) & (x < cutoff), -jnp.inf, x)
+
+    def draw(seed, i, row):
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        return jax.random.categorical(key, row)
+
+    drawn = jax.vmap(draw)(rows.seed, index.astype(jnp.uint32), x).astype(jnp.int32)
+    return jnp.where(rows.temperature > 0, drawn, greedy)
+
+
+def new_tokens_width(max_new_tokens: int) -> int:
+    """The width generate's programs are compiled for: max_new_tokens rounded up to a multiple
+    of DECODE_CHUNK (nearby values share a program)."""
+    return -(-int(max_new_tokens) // DECODE_CHUNK) * DECODE_CHUNK
 
 
 @flax.struct.dataclass
@@ -117,80 +162,88 @@ class SamplingState:
     """The carry of the decode loop."""
 
     step: jax.Array  # int32 []: column of `generated` written next
-    generated: jax.Array  # int32 [B, N], pad_id where nothing was generated
+    generated: jax.Array  # int32 [B, W], W = new_tokens_width; pad_id where nothing was generated
     positions: jax.Array  # int32 [B]: position of the last generated token (= tokens in cache)
     done: jax.Array  # bool [B]: the sequence has produced its EOS
     cache: tuple  # the KV state, one cache per layer
-    key: jax.Array  # PRNG key
+    rows: RowSampling  # the sampling values of each row
+
+
+def _pad_id(eos_id: int | None) -> int:
+    return 0 if eos_id is None else eos_id
 
 
 def _start(
-    params, tokens, lengths, cache, key, *, max_new_tokens: int, sampling: Sampling, rows: int
-):
-    """Prefill (`rows` rows at a time) + the first token: the state before the first decode
-    step."""
-    logits, cache = llama.prefill(params, tokens, lengths, cache, rows=rows)
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sampling)
+    params, tokens, lengths, cache, rows: RowSampling, *, width: int, sampled: bool,
+    eos_id: int | None, prefill_rows: int,
+):  # fmt: skip
+    """Prefill (`prefill_rows` rows at a time) + the first token: the state before the first
+    decode step."""
+    logits, cache = llama.prefill(params, tokens, lengths, cache, rows=prefill_rows)
     B = tokens.shape[0]
-    generated = jnp.full((B, max_new_tokens), sampling.pad_id, jnp.int32).at[:, 0].set(first)
-    done = first == sampling.eos_id if sampling.eos_id is not None else jnp.zeros(B, bool)
+    first = sample(logits, rows, jnp.zeros(B, jnp.int32), sampled=sampled)
+    generated = jnp.full((B, width), _pad_id(eos_id), jnp.int32).at[:, 0].set(first)
+    done = first == eos_id if eos_id is not None else jnp.zeros(B, bool)
     return SamplingState(
-        step=jnp.int32(1), generated=generated, positions=lengths, done=done, cache=cache, key=key
-    )
+        step=jnp.int32(1), generated=generated, positions=lengths, done=done, cache=cache,
+        rows=rows,
+    )  # fmt: skip
 
 
-def _step(params, state: SamplingState, *, sampling: Sampling) -> SamplingState:
-    """Feeds each live sequence its last token, samples the next; finished rows stay padded."""
+def _step(params, state: SamplingState, n, *, sampled: bool, eos_id: int | None):
+    """Feeds each live sequence its last token, samples the next; finished rows stay padded.
+    A step at or past `n` (int32 []: the tokens wanted) appends nothing and writes nothing."""
     last = jax.lax.dynamic_index_in_dim(state.generated, state.step - 1, axis=1, keepdims=False)
-    live = ~state.done
+    live = ~state.done & (state.step < n)
     logits, cache = llama.decode_step(params, last, state.positions, state.cache, active=live)
-    key, sub = jax.random.split(state.key)
-    nxt = jnp.where(live, sample(logits, sub, sampling), sampling.pad_id)
-    generated = jax.lax.dynamic_update_index_in_dim(state.generated, nxt, state.step, axis=1)
-    done = state.done | (nxt == sampling.eos_id) if sampling.eos_id is not None else state.done
-    return SamplingState(
+    index = jnp.broadcast_to(state.step, live.shape)
+    nxt = jnp.where(live, sample(logits, state.rows, index, sampled=sampled), _pad_id(eos_id))
+    generated = state.generated.at[:, state.step].set(nxt, mode="drop")
+    done = state.done | (nxt == eos_id) if eos_id is not None else state.done
+    return dataclasses.replace(
+        state,
         step=state.step + 1,
         generated=generated,
         positions=state.positions + live.astype(jnp.int32),
         done=done,
         cache=cache,
-        key=key,
     )
 
 
-def _decode(params, state: SamplingState, *, max_new_tokens: int, sampling: Sampling):
-    """The decode steps after the first token. Without an EOS every step runs, in one loop of
-    a fixed count; with one, in chunks of DECODE_CHUNK steps while a row is live, then the
-    remainder (rows done by then stay padded)."""
-    step = functools.partial(_step, params, sampling=sampling)
+def _decode(params, state: SamplingState, n, *, sampled: bool, eos_id: int | None):
+    """The decode steps after the first token, `n` (int32 []) tokens in all: chunks of
+    DECODE_CHUNK steps under one while loop, run while a token is wanted and (with an EOS) a
+    row is live. The width being a multiple of DECODE_CHUNK, a chunk runs at most
+    DECODE_CHUNK - 1 steps past n, which append nothing."""
+    step = functools.partial(_step, params, n=n, sampled=sampled, eos_id=eos_id)
 
-    def run(n, s):
-        return jax.lax.fori_loop(0, n, lambda _, s: step(s), s)
-
-    if sampling.eos_id is None:
-        return run(max_new_tokens - 1, state)
-    chunks, tail = divmod(max_new_tokens - 1, DECODE_CHUNK)
+    def chunk(s):
+        return jax.lax.fori_loop(0, DECODE_CHUNK, lambda _, s: step(s), s)
 
     def live(s: SamplingState):
-        return (s.step < 1 + chunks * DECODE_CHUNK) & ~jnp.all(s.done)
+        more = s.step < n
+        return more & ~jnp.all(s.done) if eos_id is not None else more
 
-    # Without a chunk the while loop is left out: it would compile a copy of the step of its own
-    # (on the CPU most of a short generate's compile time).
-    if chunks:
-        state = jax.lax.while_loop(live, functools.partial(run, DECODE_CHUNK), state)
     # Returning the whole state lets XLA alias it to the donated input: the loop updates the
     # cache in place.
-    return run(tail, state)
+    return jax.lax.while_loop(live, chunk, state)
 
 
 _start_jit = jax.jit(
-    _start, static_argnames=("max_new_tokens", "sampling", "rows"), donate_argnames=("cache",)
-)
-_decode_jit = jax.jit(
-    _decode, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("state",)
-)
-_step_jit = jax.jit(_step, static_argnames=("sampling",), donate_argnames=("state",))
+    _start, static_argnames=("width", "sampled", "eos_id", "prefill_rows"),
+    donate_argnames=("cache",),
+)  # fmt: skip
+_decode_jit = jax.jit(_decode, static_argnames=("sampled", "eos_id"), donate_argnames=("state",))
+_step_jit = jax.jit(_step, static_argnames=("sampled", "eos_id"), donate_argnames=("state",))
+
+
+def _program_args(sampling: Sampling, batch: int, max_new_tokens: int):
+    """(the per-row values of `batch` rows, row b seeded with seed + b mod 2**32; the start's
+    static arguments; the decode's) for generate's programs."""
+    seeds = (sampling.seed + np.arange(batch, dtype=np.uint64)) % 2**32
+    rows = RowSampling.of([dataclasses.replace(sampling, seed=int(s)) for s in seeds])
+    static = dict(sampled=sampling.temperature > 0, eos_id=sampling.eos_id)
+    return rows, dict(width=new_tokens_width(max_new_tokens), **static), static
 
 
 def _token_array(tokens) -> np.ndarray:
@@ -266,11 +319,11 @@ def _prepare(
     # share one compiled program (padding is masked and never enters the cache).
     width = -(-S // PROMPT_BUCKET) * PROMPT_BUCKET
     tokens = np.pad(np.where(real, tokens, 0), ((0, 0), (0, width - S))).astype(np.int32)
-    # The cache can hold the padded prompt and every generated token.
+    # The cache can hold the padded prompt and every generated token (of the bucketed width).
     cache = init_cache(
         kv_config,
         batch=B,
-        max_len=width + max_new_tokens,
+        max_len=width + new_tokens_width(max_new_tokens),
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
         dtype=params.dtype,
@@ -302,8 +355,10 @@ def generate(
       kv: "full" (unquantized cache in the params dtype), "kivi2", "kivi4", "kivi2-mix" (KIVI-2
         with mixed precision, kivi_jax.KIVI2_MIX) or a KiviConfig.
       max_new_tokens: N, tokens generated per sequence (prompt + N must fit the context).
-      temperature, top_k, top_p: sampling (temperature 0: greedy).
-      seed: PRNG seed for sampling.
+      temperature, top_k, top_p: sampling (temperature 0: greedy); traced, so a new value
+        compiles nothing.
+      seed: PRNG seed for sampling: row b samples as `Sampling(seed=(seed + b) % 2**32)`
+        does alone (its tokens do not depend on the other rows).
       eos_id: a sequence stops after producing it; its later positions are eos_id.
       lengths: int [batch] real prompt lengths (default: all `seq`).
       prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
@@ -318,15 +373,19 @@ def generate(
         outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
         lengths; all before anything is compiled or run.
     """
-    sampling = Sampling(temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id)
+    sampling = Sampling(
+        temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
+    )
     tokens, lengths, cache, rows = _prepare(
         params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
         prefill_rows=prefill_rows,
     )  # fmt: skip
     n = int(max_new_tokens)
-    kw = dict(max_new_tokens=n, sampling=sampling)
-    state = _start_jit(params, tokens, lengths, cache, jax.random.key(seed), **kw, rows=rows)
-    return _decode_jit(params, state, **kw).generated
+    per_row, start_kw, decode_kw = _program_args(sampling, tokens.shape[0], n)
+    state = _start_jit(params, tokens, lengths, cache, per_row, **start_kw, prefill_rows=rows)
+    generated = _decode_jit(params, state, jnp.int32(n), **decode_kw).generated
+    # the programs' width is n rounded up to a multiple of DECODE_CHUNK
+    return generated if generated.shape[1] == n else jax.lax.slice_in_dim(generated, 0, n, axis=1)
 
 
 @dataclasses.dataclass
@@ -377,7 +436,7 @@ class TokenStream:
     ):
         self.params = params
         self.sampling = Sampling(
-            temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id
+            temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
         )
         self.max_new_tokens = int(max_new_tokens)
         self.tokens, self.lengths, cache, rows = _prepare(
@@ -391,34 +450,21 @@ class TokenStream:
             kv_capacity=cache[0].max_len,
         )
         t0 = time.perf_counter()
-        key = jax.random.key(seed)
-        self._start = _start_jit.lower(
-            params,
-            self.tokens,
-            self.lengths,
-            cache,
-            key,
-            max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
-            rows=rows,
-        ).compile()
-        state_shape = jax.eval_shape(
-            functools.partial(
-                _start, max_new_tokens=self.max_new_tokens, sampling=self.sampling, rows=rows
-            ),
-            params,
-            self.tokens,
-            self.lengths,
-            cache,
-            key,
+        per_row, start_kw, step_kw = _program_args(
+            self.sampling, self.tokens.shape[0], self.max_new_tokens
         )
-        self._step = _step_jit.lower(params, state_shape, sampling=self.sampling).compile()
+        args = (params, self.tokens, self.lengths, cache, per_row)
+        self._start = _start_jit.lower(*args, **start_kw, prefill_rows=rows).compile()
+        start = functools.partial(_start, **start_kw, prefill_rows=rows)
+        state_shape = jax.eval_shape(start, *args)
+        self._n = jnp.int32(self.max_new_tokens)
+        self._step = _step_jit.lower(params, state_shape, self._n, **step_kw).compile()
         self.stats.compile_s = time.perf_counter() - t0
-        self._cache, self._key = cache, key
+        self._cache, self._per_row = cache, per_row
 
     def __iter__(self) -> Iterator[np.ndarray]:
         t0 = time.perf_counter()
-        state = self._start(self.params, self.tokens, self.lengths, self._cache, self._key)
+        state = self._start(self.params, self.tokens, self.lengths, self._cache, self._per_row)
         self._cache = None  # donated
         first = np.asarray(state.generated[:, 0])
         self.stats.prefill_s = time.perf_counter() - t0
@@ -430,7 +476,7 @@ class TokenStream:
         for _ in range(1, self.max_new_tokens):
             if done.all():
                 break
-            state = self._step(self.params, state)
+            state = self._step(self.params, state, self._n)
             step = int(state.step) - 1
             out = np.asarray(state.generated[:, step])
             done = np.asarray(state.done)

@@ -439,3 +439,53 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
 
 def param_bytes(params: LlamaParams) -> int:
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def prefill_chunk(
+    params: LlamaParams,
+    tokens: jax.Array,
+    offset: jax.Array,
+    count: jax.Array,
+    scratch: tuple,
+    caches,
+):
+    """One chunk of a long prompt (chunked prefill, kivi_jax.serving): its tokens attend in full
+    precision over the whole prompt so far, and their K/V are added to the KV states.
+
+    Args:
+      params: the weights.
+      tokens: int32 [B, C], the chunk (right-padded in the prompt's last chunk).
+      offset: int32 [], the prompt tokens before the chunk (the position of its first token).
+      count: int32 [B], the chunk's real tokens.
+      scratch: per layer (k, v) [B, P, H, D] in the params dtype: the prompt's keys and values
+        so far (positions [0, offset)), P >= offset + C; the chunk's are written at offset.
+      caches: one KV state per layer, holding the prompt's first `offset` tokens.
+
+    Returns:
+      (float32 logits of the chunk's last real token [B, V], the scratch, the states). Run over
+      chunks from offset 0, the states are those of `prefill` of the whole prompt (the cache
+      holds the same tokens); the logits differ from it only in the attention's reduction
+      shapes (P keys, masked causally, in place of the prompt's width).
+    """
+    c = params.config
+    B, C = tokens.shape
+    P = scratch[0][0].shape[1]
+    positions = jnp.broadcast_to(offset + jnp.arange(C, dtype=jnp.int32), (B, C))
+    mask = (jnp.arange(P)[None, :] <= positions[0][:, None])[None, None]  # [1, 1, C, P]
+    h, out, kept = _embed(params, tokens), [], []
+    for lw, cache, (sk, sv) in zip(params.layers, caches, scratch, strict=True):
+        x = rms_norm(h, lw.attn_norm, c.rms_eps)
+        q, k, v = _qkv(lw, x, positions, c)  # q [B, C, N, D], k, v [B, C, H, D]
+        sk = jax.lax.dynamic_update_slice_in_dim(sk, k.astype(sk.dtype), offset, axis=1)
+        sv = jax.lax.dynamic_update_slice_in_dim(sv, v.astype(sv.dtype), offset, axis=1)
+        attn = jax.nn.dot_product_attention(
+            q, sk, sv, mask=mask, scale=1.0 / math.sqrt(c.head_dim)
+        )  # [B, C, N, D]; keys after each query (and the padding) masked out
+        h = h + _dense(attn.astype(h.dtype).reshape(B, C, c.num_heads * c.head_dim), lw.wo)
+        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+        state = cache_prefill(cache, k, v, count, q=q)
+        h, state = jax.lax.optimization_barrier((h, state))
+        out.append(state)
+        kept.append((sk, sv))
+    last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return _logits(params, last), tuple(kept), tuple(out)

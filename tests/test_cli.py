@@ -27,9 +27,10 @@ def _summary(err: str) -> tuple[int, int, str]:
     return prompt, generated, re.search(r"--- (KV cache .*)", err).group(1)
 
 
-# The tiny model's full-precision cache for 64 + 6 tokens: 2 layers x 2 (k, v) x 70 tokens x
-# 2 KV heads x 32 channels x 4 bytes = 71,680 bytes, plus 2 x 5 bytes of counters: 70.0 KiB.
-FULL_70 = "70.0 KiB"
+# The tiny model's full-precision cache for 64 + 32 tokens (the prompt's bucket and that of 6 new
+# tokens): 2 layers x 2 (k, v) x 96 tokens x 2 KV heads x 32 channels x 4 bytes = 98,304 bytes,
+# plus 2 x 5 bytes of counters: 96.0 KiB.
+FULL_96 = "96.0 KiB"
 
 
 def test_streams_the_answer_and_summarizes(tiny_gguf, capsys):
@@ -45,8 +46,8 @@ def test_streams_the_answer_and_summarizes(tiny_gguf, capsys):
     assert re.fullmatch(
         rf"KV cache \(kivi2\): {prompt + generated - 1} tokens held in [\d.]+ KiB, none "
         r"quantized yet: the whole sequence fits the full-precision window of R = 128 tokens, "
-        r"so KIVI saves nothing until it is longer \| allocated for 70 tokens: [\d.]+ KiB vs "
-        rf"{FULL_70} for a full-precision cache of the same capacity \([\d.]+x its size\)",
+        r"so KIVI saves nothing until it is longer \| allocated for 96 tokens: [\d.]+ KiB vs "
+        rf"{FULL_96} for a full-precision cache of the same capacity \([\d.]+x its size\)",
         line,
     ), line
 
@@ -67,7 +68,7 @@ def test_sampling_flags_and_no_chat(tiny_gguf, capsys):
     # holds 2 x 32 channels x 4 bytes in 2 KV heads of 2 layers: 1 KiB.
     assert line == (
         f"KV cache (full): {prompt + 5} tokens held in {prompt + 5}.0 KiB, all in full precision "
-        f"| allocated for 70 tokens: {FULL_70} vs {FULL_70} for a full-precision cache of the "
+        f"| allocated for 96 tokens: {FULL_96} vs {FULL_96} for a full-precision cache of the "
         "same capacity (1.00x its size)"
     )
 

@@ -126,7 +126,7 @@ def test_prefill_in_chunks_of_rows_starts_each_chunk_from_empty_states(params):
 
 @pytest.mark.parametrize("kv", ["full", "kivi2"])
 def test_the_prefill_working_memory_follows_the_rows_not_the_batch(kv):
-    from kivi_jax.generate import Sampling, _prepare
+    from kivi_jax.generate import Sampling, _prepare, _program_args
 
     config = tiny_config(hidden_size=256, intermediate_size=512, max_context=1024)
     params = kivi_jax.init_params(config, jax.random.key(0))
@@ -137,9 +137,8 @@ def test_the_prefill_working_memory_follows_the_rows_not_the_batch(kv):
             params, np.ones((batch, 500), np.int32), None, kv=kv, max_new_tokens=8, sampling=s,
             prefill_rows=rows,
         )  # fmt: skip
-        lowered = _start_jit.lower(
-            params, toks, lens, cache, jax.random.key(0), max_new_tokens=8, sampling=s, rows=r
-        )
+        per_row, kw, _ = _program_args(s, batch, 8)
+        lowered = _start_jit.lower(params, toks, lens, cache, per_row, **kw, prefill_rows=r)
         return lowered.compile().memory_analysis().temp_size_in_bytes
 
     assert scratch(16, 2) < 1.01 * scratch(4, 2)  # the [batch, vocab] logits aside
@@ -153,7 +152,7 @@ def test_each_prompt_block_writes_its_state_before_the_next_block_starts(rows):
     # layer's K/V alive until then (H200, Llama-2-7B, 10 rows of 2048 tokens: 25.0 GB of
     # prefill scratch against 2.6 GB). The CPU's buffer assignment does not show it, so the
     # program's structure is checked.
-    from kivi_jax.generate import Sampling, _prepare
+    from kivi_jax.generate import Sampling, _prepare, _program_args
 
     config = tiny_config(num_layers=3)
     params = kivi_jax.init_params(config, jax.random.key(0))
@@ -162,9 +161,8 @@ def test_each_prompt_block_writes_its_state_before_the_next_block_starts(rows):
         params, np.ones((4, 40), np.int32), None, kv="kivi2", max_new_tokens=4, sampling=s,
         prefill_rows=rows,
     )  # fmt: skip
-    hlo = _start_jit.lower(
-        params, toks, lens, cache, jax.random.key(0), max_new_tokens=4, sampling=s, rows=r
-    ).as_text()
+    per_row, kw, _ = _program_args(s, 4, 4)
+    hlo = _start_jit.lower(params, toks, lens, cache, per_row, **kw, prefill_rows=r).as_text()
     assert hlo.count("stablehlo.optimization_barrier") == config.num_layers
 
 
@@ -207,16 +205,17 @@ def test_bfloat16_params_generate_with_a_bfloat16_cache(params):
 
 def _decode_program(params, kv, *, batch=1, prompt_len=20, new_tokens=N, eos_id=None):
     """generate's compiled decode loop for these shapes (its prefill program's output as input)."""
-    from kivi_jax.generate import Sampling, _prepare, _start
+    from kivi_jax.generate import Sampling, _prepare, _program_args, _start
 
     sampling = Sampling(eos_id=eos_id)
     ids = np.stack([prompt(prompt_len, seed=b) for b in range(batch)])
     tokens, lengths, cache, rows = _prepare(
         params, ids, None, kv=kv, max_new_tokens=new_tokens, sampling=sampling
     )
-    start = functools.partial(_start, max_new_tokens=new_tokens, sampling=sampling, rows=rows)
-    state = jax.eval_shape(start, params, tokens, lengths, cache, jax.random.key(0))
-    return _decode_jit.lower(params, state, max_new_tokens=new_tokens, sampling=sampling)
+    per_row, start_kw, decode_kw = _program_args(sampling, batch, new_tokens)
+    start = functools.partial(_start, **start_kw, prefill_rows=rows)
+    state = jax.eval_shape(start, params, tokens, lengths, cache, per_row)
+    return _decode_jit.lower(params, state, jnp.int32(new_tokens), **decode_kw)
 
 
 def test_the_decode_loop_is_one_program_that_updates_the_state_in_place(params):
@@ -227,18 +226,12 @@ def test_the_decode_loop_is_one_program_that_updates_the_state_in_place(params):
     assert "tf.aliasing_output" in hlo
 
 
-@pytest.mark.parametrize(
-    ("new_tokens", "loops"),
-    [(DECODE_CHUNK, 1), (2 * DECODE_CHUNK + 1, 2), (2 * DECODE_CHUNK + 5, 3)],
-)
-def test_with_an_eos_the_decode_program_holds_only_loops_that_run(params, new_tokens, loops):
-    # chunks of DECODE_CHUNK steps under a while loop (a loop in a loop), then the remainder;
-    # each loop compiles its own copy of the step, so a loop of no steps is left out. Counted
-    # against the program without an EOS (one loop of every step).
-    whiles = lambda **kw: _decode_program(params, "kivi2", new_tokens=new_tokens, **kw).as_text()
-    assert whiles(eos_id=0).count("stablehlo.while") == (
-        whiles().count("stablehlo.while") - 1 + loops
-    )
+@pytest.mark.parametrize("eos_id", [None, 0])
+def test_the_decode_program_is_one_loop_of_chunks_of_steps(params, eos_id):
+    # chunks of DECODE_CHUNK steps (a fixed-count loop) under a while loop: one copy of the
+    # step, whatever max_new_tokens
+    hlo = _decode_program(params, "kivi2", new_tokens=2 * DECODE_CHUNK + 5, eos_id=eos_id)
+    assert hlo.as_text().count("stablehlo.while") == 2
 
 
 def test_a_decode_step_runs_four_matmuls_per_layer(monkeypatch):
@@ -314,7 +307,8 @@ def test_token_stream_yields_what_generate_returns(params):
     assert s.prefill_s > 0 and s.decode_s > 0 and s.compile_s > 0
     # 36 tokens in a cache with a 128-token full-precision residual: KIVI allocates more than an
     # unquantized cache of this capacity (the residual is a fixed cost that long contexts repay)
-    assert s.kv_capacity == 64 + N and s.kv_bytes > s.kv_full_bytes > 0
+    # capacity: the prompt's and max_new_tokens' buckets
+    assert s.kv_capacity == 64 + DECODE_CHUNK and s.kv_bytes > s.kv_full_bytes > 0
 
 
 def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, params):
@@ -376,13 +370,34 @@ def test_a_ragged_list_of_prompts_says_to_pad_and_pass_lengths(params):
         generate(params, [[1, 2, 3], 4], max_new_tokens=N)
 
 
-def test_prompts_of_similar_length_share_one_compiled_loop(params):
-    """Prompt widths are padded up to a multiple of 64: 33 and 50 tokens run the same program."""
+def test_prompts_and_new_tokens_of_similar_length_share_one_compiled_loop(params):
+    """Prompt widths are padded up to a multiple of 64, max_new_tokens to one of DECODE_CHUNK:
+    33 and 50 tokens, 5 and 9 new ones run the same programs."""
     before = _start_jit._cache_size(), _decode_jit._cache_size()
     a = generate(params, prompt(33)[None], kv="kivi4", max_new_tokens=5)
-    b = generate(params, prompt(50)[None], kv="kivi4", max_new_tokens=5)
+    b = generate(params, prompt(50)[None], kv="kivi4", max_new_tokens=9)
     assert (_start_jit._cache_size(), _decode_jit._cache_size()) == (before[0] + 1, before[1] + 1)
-    assert a.shape == b.shape == (1, 5)
+    assert a.shape == (1, 5) and b.shape == (1, 9)
+
+
+def test_a_new_temperature_top_k_top_p_or_seed_compiles_nothing(params):
+    ids = prompt(20, seed=9)[None]
+    generate(params, ids, kv="full", max_new_tokens=N, temperature=0.7, seed=1)
+    before = _start_jit._cache_size(), _decode_jit._cache_size()
+    for kw in [dict(temperature=1.3, seed=2), dict(temperature=0.5, top_k=5, top_p=0.9, seed=3)]:
+        generate(params, ids, kv="full", max_new_tokens=N, **kw)
+    assert (_start_jit._cache_size(), _decode_jit._cache_size()) == before
+
+
+def test_a_rows_samples_depend_on_its_seed_not_on_its_neighbours(params):
+    """Row b samples as `seed + b` alone: the same tokens beside other prompts or alone."""
+    a, b = prompt(20, seed=10), prompt(20, seed=11)
+    hot = dict(kv="full", max_new_tokens=N, temperature=1.0, top_p=0.95)
+    pair = np.asarray(generate(params, np.stack([a, b]), **hot, seed=4))
+    other = np.asarray(generate(params, np.stack([prompt(20, seed=12), b]), **hot, seed=4))
+    np.testing.assert_array_equal(pair[1], other[1])
+    np.testing.assert_array_equal(pair[1], np.asarray(generate(params, b[None], **hot, seed=5))[0])
+    np.testing.assert_array_equal(pair[0], np.asarray(generate(params, a[None], **hot, seed=4))[0])
 
 
 _SECOND_CALL = """

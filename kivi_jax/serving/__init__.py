@@ -1,0 +1,12 @@
+"""Continuous batching over the KIVI state: `Engine` serves requests as they arrive
+(docs/serving.md)."""
+
+from kivi_jax.serving.engine import (
+    Engine,
+    EngineError,
+    EngineStats,
+    QueueFullError,
+    RequestHandle,
+)
+
+__all__ = ["Engine", "EngineError", "EngineStats", "QueueFullError", "RequestHandle"]

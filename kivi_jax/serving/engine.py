@@ -1,0 +1,659 @@
+"""A continuous-batching engine: requests arrive and finish at any time, each in a slot (a row)
+of one fixed-shape KV state, decoded together.
+
+The device side is a few pure jitted functions over `SlotState` (the KV state of `slots` rows
+and each row's sampling values, counters and stop ids), each donating the state so that it is
+updated in place:
+
+    _prefill_row    a prompt of at most prefill_chunk tokens (padded to a PROMPT_BUCKET
+                    multiple) -> its logits and a one-row KV state (llama.prefill)
+    _prefill_chunk  a longer prompt, one chunk per call: full-precision attention over the
+                    prompt so far (a full-precision K/V scratch), K/V added to a one-row state
+    _insert_row     the one-row state and the first token into a slot (its whole row written,
+                    other rows untouched)
+    _reset          a slot back to the empty state of init_cache (inactive)
+    _decode         `decode_steps` decode steps of every slot in one call (inactive slots append
+                    nothing), returning their tokens [slots, decode_steps]
+
+Rows are written with tree_map over the state's arrays on kivi_jax.cache.BATCH_AXIS (the
+layout's invariant: every per-row array holds its rows on axis 0). The host side (`Engine`)
+is the scheduler: a bounded FIFO queue, slot bookkeeping, and the tokens read back one decode
+call late (the next call is dispatched before the previous one's tokens are read), so the
+device never waits for the host between calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax.cache import BATCH_AXIS, init_cache
+from kivi_jax.config import KiviConfig
+from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv, sample
+from kivi_jax.memory import memory_report
+from kivi_jax.models import llama
+from kivi_jax.models.llama import LlamaParams
+
+MAX_STOP_IDS = 16  # stop ids per request, the engine's eos_id and the request's eos_id included
+
+
+class QueueFullError(RuntimeError):
+    """submit() while max_queue requests already wait."""
+
+
+class EngineError(RuntimeError):
+    """An exception inside the engine ended the request (raised when its tokens are read)."""
+
+
+@flax.struct.dataclass
+class SlotState:
+    """The engine's device state: every array holds one row per slot on axis 0."""
+
+    caches: tuple  # one KV state per layer, batch = slots
+    last: jax.Array  # int32 [S]: the token fed at the next step
+    active: jax.Array  # bool [S]: the slot decodes
+    count: jax.Array  # int32 [S]: tokens generated (the index of the next one)
+    limit: jax.Array  # int32 [S]: max_new_tokens
+    stops: jax.Array  # int32 [S, MAX_STOP_IDS]: tokens that end the request, -1 unused
+    rows: RowSampling  # sampling values [S]
+
+
+def _empty_caches(params: LlamaParams, kv: KiviConfig | None, batch: int, max_len: int):
+    c = params.config
+    return init_cache(
+        kv, batch=batch, max_len=max_len, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=params.dtype, num_layers=c.num_layers,
+    )  # fmt: skip
+
+
+def _empty_state(params, kv, batch: int, max_len: int) -> SlotState:
+    """init_cache's empty state (a mixed state's empty heavy slots -1 / -inf), every row
+    inactive."""
+    return SlotState(
+        caches=_empty_caches(params, kv, batch, max_len),
+        last=jnp.zeros(batch, jnp.int32),
+        active=jnp.zeros(batch, bool),
+        count=jnp.zeros(batch, jnp.int32),
+        limit=jnp.zeros(batch, jnp.int32),
+        stops=jnp.full((batch, MAX_STOP_IDS), -1, jnp.int32),
+        rows=jax.tree.map(jnp.asarray, RowSampling.of([Sampling()] * batch)),
+    )
+
+
+def _put_row(state, row, slot):
+    """`row` (the same pytree with one row) written over row `slot` of `state`."""
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
+        big, small.astype(big.dtype), slot, axis=BATCH_AXIS
+    )
+    return jax.tree.map(put, state, row)
+
+
+@functools.partial(jax.jit, static_argnames=("kv", "max_len"))
+def _prefill_row(params, tokens, length, *, kv, max_len):
+    """tokens int32 [1, W] (right-padded), length int32 [1] -> (logits [1, V], one-row state)."""
+    return llama.prefill(params, tokens, length, _empty_caches(params, kv, 1, max_len))
+
+
+@functools.partial(jax.jit, static_argnames=("kv", "max_len"))
+def _empty_row(params, *, kv, max_len):
+    return _empty_caches(params, kv, 1, max_len)
+
+
+_prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
+
+
+@functools.partial(jax.jit, static_argnames=("sampled",), donate_argnames=("state",))
+def _insert_row(
+    state: SlotState, caches, logits, rows: RowSampling, limit, stops, slot, *, sampled
+):
+    """A prefilled request (its one-row state, last logits [1, V], sampling values, limit [1],
+    stops [1, MAX_STOP_IDS]) into row `slot`; returns (state, its first token [1])."""
+    first = sample(logits, rows, jnp.zeros(1, jnp.int32), sampled=sampled)
+    ends = jnp.any(first[:, None] == stops, axis=1) | (limit <= 1)
+    row = SlotState(
+        caches=caches, last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
+        stops=stops, rows=rows,
+    )  # fmt: skip
+    return _put_row(state, row, slot), first
+
+
+@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("state",))
+def _reset(params, state: SlotState, slot, *, kv):
+    max_len = state.caches[0].max_len
+    return _put_row(state, _empty_state(params, kv, 1, max_len), slot)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "sampled"), donate_argnames=("state",))
+def _decode(params, state: SlotState, *, steps: int, sampled: bool):
+    """`steps` decode steps of every active slot -> (state, tokens int32 [S, steps], -1 where
+    the slot was inactive). A slot stops after a stop id or its limit."""
+
+    def step(i, carry):
+        s, out = carry
+        logits, caches = llama.decode_step(
+            params, s.last, s.caches[0].lengths, s.caches, active=s.active
+        )
+        tok = jnp.where(s.active, sample(logits, s.rows, s.count, sampled=sampled), -1)
+        count = s.count + s.active.astype(jnp.int32)
+        ends = jnp.any(tok[:, None] == s.stops, axis=1) | (count >= s.limit)
+        s = dataclasses.replace(
+            s, caches=caches, last=jnp.where(s.active, tok, s.last), count=count,
+            active=s.active & ~ends,
+        )  # fmt: skip
+        return s, out.at[:, i].set(tok)
+
+    out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
+    return jax.lax.fori_loop(0, steps, step, (state, out))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (bytes exact, from the arrays' shapes)."""
+
+    queue_depth: int
+    live_slots: int  # slots holding a request (prefilling or decoding)
+    free_slots: int
+    slots: int
+    kv_bytes_allocated: int  # the slots' KV state + the prefill scratch
+    kv_bytes_in_use: int  # the live slots' share of the slots' KV state + the scratch if in use
+    prefill_scratch_bytes: int  # the full-precision K/V of a chunked prompt (+ its one-row state)
+    requests_finished: dict[str, int]  # by finish_reason
+    generated_tokens: int
+    prompt_tokens: int  # prefilled
+    decode_calls: int  # jitted calls of decode_steps steps
+
+
+class RequestHandle:
+    """A submitted request: its tokens as they are produced (iterate, async-iterate or
+    result()), its finish_reason once done."""
+
+    def __init__(self, id: int, prompt: np.ndarray, sampling: Sampling, max_new_tokens: int,
+                 stops: tuple[int, ...]):  # fmt: skip
+        self.id = id
+        self.prompt_tokens = len(prompt)
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submit_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self._prompt, self._sampling, self._max_new, self._stops = (
+            prompt, sampling, max_new_tokens, stops
+        )  # fmt: skip
+        self._tokens: list[int] = []
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._cancel = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens produced so far."""
+        with self._cond:
+            return list(self._tokens)
+
+    def _wake(self):
+        self._cond.notify_all()
+        for loop, event in self._waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop was closed
+                pass
+
+    def _push(self, token: int) -> str | None:
+        """Adds a token; returns the finish_reason it implies, if any."""
+        with self._cond:
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+            self._tokens.append(token)
+            self._wake()
+            if token in self._stops:
+                return "stop"
+            return "length" if len(self._tokens) >= self._max_new else None
+
+    def _finish(self, reason: str, error: BaseException | None = None):
+        with self._cond:
+            if self.finish_reason is None:
+                self.finish_reason, self.error = reason, error
+                self.finish_time = time.perf_counter()
+            self._wake()
+
+    def _raise_if_failed(self):
+        if self.error is not None:
+            raise EngineError(
+                f"request {self.id} failed after {len(self._tokens)} tokens: {self.error!r}"
+            ) from self.error
+
+    def __iter__(self):
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda i=i: len(self._tokens) > i or self.done)
+                new, done = self._tokens[i:], self.done
+            yield from new
+            i += len(new)
+            if done and not new:
+                self._raise_if_failed()
+                return
+
+    def __aiter__(self):
+        return self._async_tokens()
+
+    async def _async_tokens(self):
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            i = 0
+            while True:
+                event.clear()
+                with self._cond:
+                    new, done = self._tokens[i:], self.done
+                for t in new:
+                    yield t
+                i += len(new)
+                if done and not new:
+                    self._raise_if_failed()
+                    return
+                if not new:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+            self._raise_if_failed()
+            return list(self._tokens)
+
+
+@dataclasses.dataclass
+class _LongPrompt:
+    """A prompt being prefilled chunk by chunk into a reserved slot."""
+
+    request: RequestHandle
+    slot: int
+    offset: int
+    caches: tuple  # its one-row KV state so far
+
+
+class Engine:
+    """Serves requests as they arrive over one KV state of `slots` rows (docs/serving.md).
+
+    Args:
+      params: the model's weights.
+      kv: "full", "kivi2", "kivi4", "kivi2-mix" or a KiviConfig.
+      slots: requests decoded together (rows of the state).
+      max_len: tokens a slot holds (prompt + max_new_tokens of each request).
+      prefill_chunk: prompts up to this long are prefilled in one call; longer ones in chunks
+        of this many tokens, one chunk per scheduler step between decode calls.
+      max_queue: requests that may wait for a slot; one more is a QueueFullError.
+      eos_id: a token that ends every request (finish_reason "stop").
+      decode_steps: decode steps per jitted call (tokens are read back once per call).
+    """
+
+    def __init__(
+        self,
+        params: LlamaParams,
+        *,
+        kv: str | KiviConfig = "kivi2",
+        slots: int = 8,
+        max_len: int = 2048,
+        prefill_chunk: int = 256,
+        max_queue: int = 64,
+        eos_id: int | None = None,
+        decode_steps: int = 8,
+    ):
+        if not isinstance(params, LlamaParams):
+            raise TypeError(f"params must be LlamaParams, got {type(params).__name__}")
+        c = params.config
+        for name, value in [("slots", slots), ("max_len", max_len),
+                            ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
+                            ("decode_steps", decode_steps)]:  # fmt: skip
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_len > c.max_context:
+            raise ValueError(f"max_len {max_len} exceeds the model's context of {c.max_context}")
+        if eos_id is not None and not 0 <= eos_id < c.vocab_size:
+            raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {c.vocab_size})")
+        self.params, self.kv = params, resolve_kv(kv)
+        self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
+        self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
+        self._state = _empty_state(params, self.kv, self.slots, self.max_len)
+        # the chunked prompt's full-precision K/V: a multiple of the chunk covering max_len
+        width = -(-self.max_len // self.prefill_chunk) * self.prefill_chunk
+        shape = (1, width, c.num_kv_heads, c.head_dim)
+        self._scratch = tuple(
+            (jnp.zeros(shape, params.dtype), jnp.zeros(shape, params.dtype))
+            for _ in range(c.num_layers)
+        )
+        self._slot_bytes = memory_report(self._state.caches).total_bytes
+        row = jax.eval_shape(
+            functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
+        )
+        self._scratch_bytes = sum(x.nbytes for x in jax.tree.leaves(self._scratch)) + sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(row)
+        )
+        self._lock = threading.Lock()  # the queue, the slots, the counters
+        self._step_lock = threading.Lock()  # one scheduler step at a time
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._occupant: list[RequestHandle | None] = [None] * self.slots
+        self._long: _LongPrompt | None = None
+        self._events: collections.deque = collections.deque()  # device results not yet read
+        self._ids = itertools.count()
+        self._finished: collections.Counter = collections.Counter()
+        self._generated = self._prompted = self._decode_calls = 0
+        self._accepting, self._thread, self._running = True, None, False
+
+    # ------------------------------------------------------------------------- public
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        max_new_tokens: int = 256,
+        stop_ids: Sequence[int] = (),
+    ) -> RequestHandle:
+        """Queues a request; returns its handle. Thread-safe."""
+        V = self.params.config.vocab_size
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt_ids must be a non-empty sequence of ints, got {prompt_ids!r}")
+        bad = np.flatnonzero((prompt < 0) | (prompt >= V))
+        if bad.size:
+            raise ValueError(
+                f"prompt token id {prompt[bad[0]]} at {bad[0]} is outside the vocabulary [0, {V})"
+            )
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling or None, got {type(sampling).__name__}")
+        if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{len(prompt) + max_new_tokens} exceeds the engine's max_len of {self.max_len}"
+            )
+        stops = [int(t) for t in stop_ids]
+        for t in [*stops, sampling.eos_id]:
+            if t is not None and not 0 <= t < V:
+                raise ValueError(f"stop id {t} is outside the vocabulary [0, {V})")
+        stops = tuple(
+            dict.fromkeys(t for t in [*stops, self.eos_id, sampling.eos_id] if t is not None)
+        )
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop ids (eos included), got {len(stops)}")
+        with self._lock:
+            if not self._accepting:
+                raise RuntimeError("the engine is stopped")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._queue)} requests already wait (max_queue={self.max_queue})"
+                )
+            h = RequestHandle(next(self._ids), prompt.astype(np.int32), sampling,
+                              int(max_new_tokens), stops)  # fmt: skip
+            self._queue.append(h)
+            self._work.notify_all()
+        return h
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Ends the request (finish_reason "cancelled"); its slot is freed at the next step."""
+        with self._lock:
+            if handle.done:
+                return
+            if handle in self._queue:
+                self._queue.remove(handle)
+                self._end(handle, "cancelled")
+            else:
+                handle._cancel = True
+            self._work.notify_all()
+
+    def step(self) -> bool:
+        """One scheduler iteration: free cancelled slots, admit (prefill up to prefill_chunk
+        prompt tokens, or one chunk of a long prompt), one decode call, read back the previous
+        call's tokens. Returns True while work remains."""
+        with self._step_lock:
+            try:
+                self._cancelled()
+                self._admit()
+                dispatched = self._decode_call()
+                self._drain(keep=1 if dispatched else 0)
+            except Exception as e:
+                self._fail(e)
+                raise
+            return self._busy()
+
+    def start(self) -> Engine:
+        """Runs the scheduler in a background daemon thread."""
+        if self._thread is None:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None, cancel: bool = True) -> None:
+        """Stops accepting requests; cancels (or, cancel=False, finishes) those in flight and
+        waits for the background thread."""
+        with self._lock:
+            self._accepting = False
+            if cancel:
+                for h in [*self._queue, *(o for o in self._occupant if o is not None)]:
+                    if h in self._queue:
+                        self._queue.remove(h)
+                        self._end(h, "cancelled")
+                    else:
+                        h._cancel = True
+            self._running = False
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        else:
+            while self.step():
+                pass
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def warmup(self) -> None:
+        """Compiles every program once (each prompt bucket, the chunk, insert, reset, decode;
+        greedy and sampled), on slot 0 of the idle state."""
+        with self._step_lock:
+            p, kv = self.params, self.kv
+            widths = range(PROMPT_BUCKET, self._bucket(self.prefill_chunk) + 1, PROMPT_BUCKET)
+            rows = RowSampling.of([Sampling()])
+            zero, one = np.int32(0), np.ones(1, np.int32)
+            stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
+            for w in widths:
+                logits, row = _prefill_row(p, np.zeros((1, w), np.int32), one, kv=kv,
+                                           max_len=self.max_len)  # fmt: skip
+            for sampled in (False, True):
+                row = _empty_row(p, kv=kv, max_len=self.max_len)
+                self._state, _ = _insert_row(self._state, row, logits, rows, one, stops, zero,
+                                         sampled=sampled)  # fmt: skip
+                self._state, _ = _decode(p, self._state, steps=self.decode_steps, sampled=sampled)
+            self._state = _reset(p, self._state, zero, kv=kv)
+            row = _empty_row(p, kv=kv, max_len=self.max_len)
+            tokens = np.zeros((1, self.prefill_chunk), np.int32)
+            _, self._scratch, _ = _prefill_chunk(p, tokens, zero, one, self._scratch, row)
+            jax.block_until_ready(self._state)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            live = sum(o is not None for o in self._occupant)
+            scratch_used = self._scratch_bytes if self._long is not None else 0
+            return EngineStats(
+                queue_depth=len(self._queue),
+                live_slots=live,
+                free_slots=self.slots - live,
+                slots=self.slots,
+                kv_bytes_allocated=self._slot_bytes + self._scratch_bytes,
+                kv_bytes_in_use=self._slot_bytes * live // self.slots + scratch_used,
+                prefill_scratch_bytes=self._scratch_bytes,
+                requests_finished=dict(self._finished),
+                generated_tokens=self._generated,
+                prompt_tokens=self._prompted,
+                decode_calls=self._decode_calls,
+            )
+
+    # ------------------------------------------------------------------------- scheduler
+
+    def _bucket(self, n: int) -> int:
+        return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._events or any(self._occupant))
+
+    def _end(self, h: RequestHandle, reason: str, error=None) -> None:
+        h._finish(reason, error)
+        self._finished[reason] += 1
+
+    def _free(self, slot: int) -> None:
+        self._occupant[slot] = None
+        self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv)
+
+    def _cancelled(self) -> None:
+        with self._lock:
+            for h in self._occupant:
+                if h is not None and h._cancel and not h.done:
+                    self._end(h, "cancelled")
+            for slot, h in enumerate(self._occupant):
+                if h is not None and h.done:
+                    if self._long is not None and self._long.slot == slot:
+                        self._long = None
+                    self._free(slot)
+
+    def _admit(self) -> None:
+        budget = self.prefill_chunk
+        while budget > 0:
+            if self._long is not None:
+                self._chunk()
+                return
+            with self._lock:
+                free = [s for s, o in enumerate(self._occupant) if o is None]
+                if not free or not self._queue:
+                    return
+                h = self._queue.popleft()
+                slot = free[0]
+                self._occupant[slot] = h
+            n = len(h._prompt)
+            if n > self.prefill_chunk:
+                row = _empty_row(self.params, kv=self.kv, max_len=self.max_len)
+                self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
+                continue
+            width = self._bucket(n)
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, :n] = h._prompt
+            logits, row = _prefill_row(self.params, tokens, np.array([n], np.int32), kv=self.kv,
+                                       max_len=self.max_len)  # fmt: skip
+            self._insert(h, slot, row, logits)
+            budget -= width
+
+    def _chunk(self) -> None:
+        lp, C = self._long, self.prefill_chunk
+        part = lp.request._prompt[lp.offset : lp.offset + C]
+        tokens = np.zeros((1, C), np.int32)
+        tokens[0, : len(part)] = part
+        logits, self._scratch, lp.caches = _prefill_chunk(
+            self.params, tokens, np.int32(lp.offset), np.array([len(part)], np.int32),
+            self._scratch, lp.caches,
+        )  # fmt: skip
+        lp.offset += len(part)
+        if lp.offset == len(lp.request._prompt):
+            self._long = None
+            self._insert(lp.request, lp.slot, lp.caches, logits)
+
+    def _insert(self, h: RequestHandle, slot: int, row, logits) -> None:
+        s = h._sampling
+        stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
+        stops[0, : len(h._stops)] = h._stops
+        self._state, first = _insert_row(
+            self._state, row, logits, RowSampling.of([s]), np.array([h._max_new], np.int32),
+            stops, np.int32(slot), sampled=s.temperature > 0,
+        )  # fmt: skip
+        first.copy_to_host_async()
+        self._events.append(("first", first, (h,) + (None,) * (self.slots - 1), slot))
+        self._prompted += h.prompt_tokens
+
+    def _decode_call(self) -> bool:
+        with self._lock:
+            live = tuple(
+                None if h is None or (self._long is not None and self._long.slot == s) else h
+                for s, h in enumerate(self._occupant)
+            )
+        if not any(h is not None and not h.done for h in live):
+            return False
+        sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
+        self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
+                                   sampled=sampled)  # fmt: skip
+        out.copy_to_host_async()
+        self._events.append(("decode", out, live, None))
+        self._decode_calls += 1
+        return True
+
+    def _drain(self, keep: int) -> None:
+        """Reads back all but the `keep` newest device results, in order."""
+        while len(self._events) > keep:
+            kind, array, owners, slot = self._events.popleft()
+            tokens = np.asarray(array)
+            rows = [(slot, owners[0], tokens)] if kind == "first" else [
+                (s, h, tokens[s]) for s, h in enumerate(owners) if h is not None
+            ]  # fmt: skip
+            for s, h, toks in rows:
+                for t in toks:
+                    if h.done or t < 0:
+                        break
+                    self._generated += 1
+                    reason = h._push(int(t))
+                    if reason is not None:
+                        with self._lock:
+                            self._end(h, reason)
+                            self._free(s)
+
+    def _fail(self, error: BaseException) -> None:
+        """An exception in a step: every request in flight ends with it, the state is rebuilt."""
+        with self._lock:
+            for h in self._occupant:
+                if h is not None and not h.done:
+                    self._end(h, "error", error)
+            self._occupant = [None] * self.slots
+            self._long, self._events = None, collections.deque()
+            self._state = _empty_state(self.params, self.kv, self.slots, self.max_len)
+            c = self.params.config
+            shape = self._scratch[0][0].shape
+            self._scratch = tuple(
+                (jnp.zeros(shape, self.params.dtype), jnp.zeros(shape, self.params.dtype))
+                for _ in range(c.num_layers)
+            )
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not (self._queue or self._events or any(self._occupant)):
+                    self._work.wait(0.1)
+                if not self._running and not (self._events or any(self._occupant) or self._queue):
+                    return
+            try:
+                self.step()
+            except Exception:  # the requests in flight carry the error (_fail)
+                pass
