@@ -491,6 +491,33 @@ def test_health_is_503_until_the_programs_are_compiled(tiny):
         _wait_healthy(s.base, 10)
 
 
+def test_a_failed_warmup_keeps_health_503_naming_it(tiny):
+    class BrokenWarmup(FakeEngine):
+        def warmup(self):
+            raise RuntimeError("no device memory")
+
+    with _InProcess(BrokenWarmup(tiny.tokenizer.encode(FAKE_ANSWER)), tiny.tokenizer) as s:
+        end = time.monotonic() + 10
+        while (reply := _http(s.base, "/health"))[2] == b'{"status":"compiling"}':
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        status, _, body = reply
+        assert status == 503
+        assert json.loads(body) == {"status": "failed", "error": "RuntimeError: no device memory"}
+
+
+def test_an_unexpected_engine_exception_at_submit_is_a_500_with_the_error_body(tiny):
+    class Stopped(FakeEngine):
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("the engine is stopped")
+
+    with _InProcess(Stopped(tiny.tokenizer.encode(FAKE_ANSWER)), tiny.tokenizer) as s:
+        _wait_healthy(s.base, 10)
+        status, _, body = _http(s.base, "/v1/completions", {"prompt": "hi"})
+        assert status == 500
+        assert json.loads(body)["error"]["message"] == "RuntimeError: the engine is stopped"
+
+
 # ----------------------------------------------------------------------------- detokenizing
 
 

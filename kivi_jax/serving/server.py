@@ -239,7 +239,12 @@ class _Server:
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # uvicorn gave up on the request (shutdown timeout)
+            self.engine.cancel(gen.handle)
+            gone.cancel()
+            raise
         if not work.done():
             self.engine.cancel(gen.handle)
             self.metrics.outcome("disconnected")
@@ -313,6 +318,12 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
         server.metrics.outcome({429: "queue_full", 500: "error", 503: "shutdown"}.get(
             e.status, "invalid"))  # fmt: skip
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        server.metrics.outcome("error")
+        error = APIError(500, f"{type(e).__name__}: {e}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
