@@ -518,6 +518,40 @@ def test_an_unexpected_engine_exception_at_submit_is_a_500_with_the_error_body(t
         assert json.loads(body)["error"]["message"] == "RuntimeError: the engine is stopped"
 
 
+# -------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_options_state_their_defaults():
+    from kivi_jax.serving.server import _parser
+
+    actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in actions} >= {
+        "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
+        "--host", "--port", "--shutdown-timeout",
+    }  # fmt: skip
+    for a in actions:
+        shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
+        expected = "(default: " if a.default is None else f"(default: {shown})"
+        assert expected in a.help, a.option_strings
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/no/such/model.gguf"], "no such model file or directory"),
+        (["--slots", "0"], "slots must be a positive int"),
+        (["--max-len", "4096"], "exceeds the model's context of 256"),
+    ],
+)
+def test_cli_errors_exit_2_before_serving(tiny_dir, argv, message, capsys):
+    from kivi_jax.serving.server import main
+
+    argv = ["--model", tiny_dir, "--max-len", "256", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kivi-serve: error: ") and message in err
+
+
 # ----------------------------------------------------------------------------- detokenizing
 
 

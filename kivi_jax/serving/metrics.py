@@ -92,13 +92,5 @@ class Metrics:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
 
-    def finished(self, handle, tokens: int) -> None:
-        """A request's latencies, from its handle's perf_counter stamps."""
-        if handle.first_token_time is None:
-            return
-        self.ttft.observe(handle.first_token_time - handle.submit_time)
-        if tokens > 1 and handle.finish_time is not None:
-            self.tpot.observe((handle.finish_time - handle.first_token_time) / (tokens - 1))
-
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
