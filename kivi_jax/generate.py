@@ -371,7 +371,7 @@ def generate(
     Raises:
       ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
         outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
-        lengths; all before anything is compiled or run.
+        lengths, a seed outside [0, 2**32); all before anything is compiled or run.
     """
     sampling = Sampling(
         temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id

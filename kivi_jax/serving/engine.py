@@ -335,13 +335,7 @@ class Engine:
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
         self._state = _empty_state(params, self.kv, self.slots, self.max_len)
-        # the chunked prompt's full-precision K/V: a multiple of the chunk covering max_len
-        width = -(-self.max_len // self.prefill_chunk) * self.prefill_chunk
-        shape = (1, width, c.num_kv_heads, c.head_dim)
-        self._scratch = tuple(
-            (jnp.zeros(shape, params.dtype), jnp.zeros(shape, params.dtype))
-            for _ in range(c.num_layers)
-        )
+        self._scratch = self._new_scratch()
         self._slot_bytes = memory_report(self._state.caches).total_bytes
         row = jax.eval_shape(
             functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
@@ -355,7 +349,9 @@ class Engine:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._occupant: list[RequestHandle | None] = [None] * self.slots
         self._long: _LongPrompt | None = None
-        self._events: collections.deque = collections.deque()  # device results not yet read
+        # device results not yet read: (tokens [rows] or [rows, steps], {slot: (its request,
+        # its row of the tokens)})
+        self._events: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
@@ -517,6 +513,14 @@ class Engine:
 
     # ------------------------------------------------------------------------- scheduler
 
+    def _new_scratch(self) -> tuple:
+        """The chunked prompt's full-precision K/V per layer: (k, v) [1, P, H, D], P the
+        multiple of prefill_chunk that covers max_len."""
+        c, C = self.params.config, self.prefill_chunk
+        shape = (1, -(-self.max_len // C) * C, c.num_kv_heads, c.head_dim)
+        zeros = lambda: jnp.zeros(shape, self.params.dtype)
+        return tuple((zeros(), zeros()) for _ in range(c.num_layers))
+
     def _bucket(self, n: int) -> int:
         return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
 
@@ -592,7 +596,7 @@ class Engine:
             stops, np.int32(slot), sampled=s.temperature > 0,
         )  # fmt: skip
         first.copy_to_host_async()
-        self._events.append(("first", first, (h,) + (None,) * (self.slots - 1), slot))
+        self._events.append((first, {slot: (h, 0)}))
         self._prompted += h.prompt_tokens
 
     def _decode_call(self) -> bool:
@@ -607,20 +611,17 @@ class Engine:
         self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
                                    sampled=sampled)  # fmt: skip
         out.copy_to_host_async()
-        self._events.append(("decode", out, live, None))
+        self._events.append((out, {s: (h, s) for s, h in enumerate(live) if h is not None}))
         self._decode_calls += 1
         return True
 
     def _drain(self, keep: int) -> None:
         """Reads back all but the `keep` newest device results, in order."""
         while len(self._events) > keep:
-            kind, array, owners, slot = self._events.popleft()
-            tokens = np.asarray(array)
-            rows = [(slot, owners[0], tokens)] if kind == "first" else [
-                (s, h, tokens[s]) for s, h in enumerate(owners) if h is not None
-            ]  # fmt: skip
-            for s, h, toks in rows:
-                for t in toks:
+            array, owners = self._events.popleft()
+            tokens = np.asarray(array).reshape(len(array), -1)  # [rows, tokens per row]
+            for s, (h, row) in owners.items():
+                for t in tokens[row]:
                     if h.done or t < 0:
                         break
                     self._generated += 1
@@ -639,12 +640,7 @@ class Engine:
             self._occupant = [None] * self.slots
             self._long, self._events = None, collections.deque()
             self._state = _empty_state(self.params, self.kv, self.slots, self.max_len)
-            c = self.params.config
-            shape = self._scratch[0][0].shape
-            self._scratch = tuple(
-                (jnp.zeros(shape, self.params.dtype), jnp.zeros(shape, self.params.dtype))
-                for _ in range(c.num_layers)
-            )
+            self._scratch = self._new_scratch()
 
     def _loop(self) -> None:
         while True:
