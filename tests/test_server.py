@@ -415,25 +415,6 @@ def test_overload_at_twice_the_capacity_answers_429_and_loses_nothing(server):
     assert after[key] == before[key] + statuses.count(429)
 
 
-def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
-    """The module's last test: it stops the server."""
-    u = urllib.parse.urlsplit(server.base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"prompt": "the theme", "max_tokens": 48, "stream": True, "temperature": 0}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.readline().startswith(b"data: ")
-    server.proc.send_signal(signal.SIGTERM)
-    rest = r.read().decode()  # the stream runs to its end
-    conn.close()
-    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
-    assert server.proc.wait(60) == 0
-    with pytest.raises(OSError):
-        _http(server.base, "/health", timeout=5)
-
-
 # ------------------------------------------------------------ staged on the model-free engine
 
 
@@ -569,3 +550,25 @@ def test_detokenizer_waits_for_a_whole_character(tiny):
     d = Detokenizer(tok)
     assert [d.add(i) for i in ids] == ["", "é", "!"] and d.flush() == ""
     assert d.text == "é!"
+
+
+# ----------------------------------------------------------------------- stopping the server
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
+    """The module's last test: it stops the server the others share."""
+    u = urllib.parse.urlsplit(server.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"prompt": "the theme", "max_tokens": 48, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: ")
+    server.proc.send_signal(signal.SIGTERM)
+    rest = r.read().decode()  # the stream runs to its end
+    conn.close()
+    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert server.proc.wait(60) == 0
+    with pytest.raises(OSError):
+        _http(server.base, "/health", timeout=5)
