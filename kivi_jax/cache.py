@@ -388,6 +388,16 @@ def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+def _as_array(what: str, name: str, x) -> jax.Array:
+    """x as an array (a nested list or a numpy array is taken), or TypeError naming it."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: {name} must be an array, got {type(x).__name__} ({e})") from None
+
+
 def _check_kv(cache: Cache, k: jax.Array, v: jax.Array, *, step: bool) -> None:
     what = "append" if step else "prefill"
     want = "[batch, kv_heads, head_dim]" if step else "[batch, seq, kv_heads, head_dim]"
@@ -432,6 +442,7 @@ def prefill(
       MASS, up to the rounding of the scores (module doc).
     """
     check_cache(cache)
+    k, v = _as_array("prefill", "k", k), _as_array("prefill", "v", v)
     _check_kv(cache, k, v, step=False)
     q = _check_q(cache, q, k, step=False)
     seq = k.shape[1]
@@ -482,6 +493,7 @@ def append(
       afterwards reads the state that holds the new token).
     """
     check_cache(cache)
+    k, v = _as_array("append", "k", k), _as_array("append", "v", v)
     _check_kv(cache, k, v, step=True)
     q = _check_q(cache, q, k, step=True)
     if q is not None:

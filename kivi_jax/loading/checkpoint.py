@@ -80,8 +80,13 @@ def restore_model(directory: str, *, dtype=None):
             f"{directory}: saved-model format {meta.get('format')!r}, this version reads "
             f"{_FORMAT!r} (save the model again with this version's save_model)"
         )
-    config = LlamaConfig(**meta["config"])
-    saved_dtype = jnp.dtype(meta["dtype"])
+    try:
+        config = LlamaConfig(**meta["config"])
+        saved_dtype = jnp.dtype(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{directory}: {MARKER} has no valid config and dtype ({type(e).__name__}: {e})"
+        ) from None
     from kivi_jax.models.llama import init_params
 
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
@@ -89,8 +94,11 @@ def restore_model(directory: str, *, dtype=None):
         tree = ocp.StandardCheckpointer().restore(
             os.path.join(directory, "params"), _to_tree(abstract)
         )
-    except Exception as e:
-        raise ModelLoadError(f"{directory}: cannot restore the params checkpoint ({e})") from e
+    except Exception as e:  # TensorStore's message runs to ~60 lines: its first line
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"{directory}: cannot restore the params checkpoint, damaged or incomplete ({first})"
+        ) from None
     params = LlamaParams(
         embed=tree["embed"],
         layers=tuple(LayerWeights(**lw) for lw in tree["layers"]),
