@@ -88,7 +88,7 @@ class Sampling:
             and not isinstance(x, bool | np.bool_)
         )
         if not real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         top_k = self.top_k
         if top_k is not None and (
             not isinstance(top_k, int | np.integer) or isinstance(top_k, bool) or top_k < 1

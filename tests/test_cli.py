@@ -147,3 +147,29 @@ def test_help_gives_every_option_a_help_text_and_its_default(capsys):
         assert "(default: " in a.help, a.option_strings
         if a.default not in (None, False):
             assert f"(default: {a.default})" in a.help, a.option_strings
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hi", "--seed", str(2**70)], "seed must lie in [0, 2**32)"),
+        (["hi", "--seed", "-1"], "seed must lie in [0, 2**32)"),
+        (["caf\udce9"], "the prompt is not valid UTF-8 text"),  # b"caf\xe9" as argv decodes it
+    ],
+)
+def test_a_bad_seed_or_an_undecodable_prompt_is_one_line_before_the_model_loads(
+    argv, message, monkeypatch, capsys
+):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kivi_jax.loading.load_model", load_model)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kivi-generate: error: {message}") and err.count("\n") == 1
+
+
+def test_one_new_token_is_summarized_without_a_decode_rate(tiny_gguf, capsys):
+    assert main(["the theme", "--model", tiny_gguf, "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "1 generated" in err and "no decode step" in err and "nan" not in err
