@@ -7,6 +7,10 @@ A group of values X is stored as codes q in [0, 2^B - 1] with a scale s and a ze
 s and z are stored in the cache dtype. z is the group minimum, which is exact because X is already
 in that dtype; s is rounded *up* to the dtype, so z + (2^B - 1) * s covers max(X) and every member
 is within s / 2 of its reconstruction. A constant group has s = 0 and reconstructs exactly as z.
+A group with a non-finite member (NaN, +-inf) stores s = z = NaN and codes 0: all its members
+dequantize to NaN. Finite groups anywhere in float32's range get finite s, z and reconstructions
+(spans and products beyond the range are taken halved; docs/design.md, "Non-finite and extreme
+values").
 
 Packing (the only place that defines the bit order): `8 // bits` codes share one uint8. Along the
 packed axis, element i lives in byte i // (8 // bits) at bits [bits * (i % (8 // bits)), +bits),

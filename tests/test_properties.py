@@ -120,15 +120,30 @@ def test_a_non_finite_token_stays_in_its_group_in_every_dtype(
 EXTREMES = {d: float(jnp.finfo(d).max) for d in ("float32", "bfloat16", "float16")}
 
 
-@settings(max_examples=6, deadline=None)
-@given(
-    config=st.sampled_from(sorted(CONFIGS)),
-    dtype=st.sampled_from(sorted(EXTREMES)),
+extreme_cases = dict(
     signs=st.lists(st.tuples(st.integers(0, 1), st.integers(0, T - 1), st.integers(0, D - 1),
                              st.sampled_from([-1.0, 1.0, 0.5, -0.9])), min_size=1, max_size=6),
     seed=st.integers(0, 2**31 - 1),
 )  # fmt: skip
-def test_finite_tokens_anywhere_in_the_dtype_range_dequantize_finite(config, dtype, signs, seed):
+
+
+@settings(max_examples=5, deadline=None)
+@given(kind=st.sampled_from([("plain", "bfloat16"), ("mixed", "float32")]), **extreme_cases)
+def test_finite_tokens_anywhere_in_the_dtype_range_dequantize_finite(kind, signs, seed):
+    _check_extremes(*kind, signs, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
+@given(
+    config=st.sampled_from(sorted(CONFIGS)), dtype=st.sampled_from(sorted(EXTREMES)),
+    **extreme_cases,
+)  # fmt: skip
+def test_finite_tokens_dequantize_finite_in_every_dtype(slow_only, config, dtype, signs, seed):
+    _check_extremes(config, dtype, signs, seed)
+
+
+def _check_extremes(config, dtype, signs, seed):
     cfg, top = CONFIGS[config], EXTREMES[dtype]
     signs = {(which, t, d): s for which, t, d, s in signs}  # the last plant of an entry wins
     plants = [(which, 0, t, 0, d, s * top) for (which, t, d), s in signs.items()]
@@ -277,7 +292,7 @@ def test_generate_names_a_bad_sampling_argument_before_running(params, data, nam
 
 def test_generate_greedy_first_token_is_the_forward_argmax(params):
     ids = [[4, 8, 15, 16, 23]]
-    first = kj.generate(params, ids, kv="kivi2", max_new_tokens=1, seed=2**32 - 1)
+    first = kj.generate(params, ids, kv="full", max_new_tokens=1, seed=2**32 - 1)
     assert int(first[0, 0]) == int(jnp.argmax(kj.forward(params, ids)[0, -1]))
 
 
@@ -377,3 +392,52 @@ def test_prefill_and_append_take_nested_lists_and_name_what_is_not_an_array():
         kj.prefill(cache, "k", kv)
     with pytest.raises(TypeError, match="append: v must be an array, got list"):
         kj.append(cache, kv[0], [[1.0], [1.0, 2.0]])
+
+
+ATTENTION_FAULTS = {  # fault -> (error, the words of its message)
+    "q of 2 axes": (ValueError, r"q must be \[batch, q_heads, head_dim\]"),
+    "integer q": (ValueError, "q must be floating point"),
+    "q of another batch": (ValueError, r"q of shape .* does not match the cache"),
+    "q_heads not a multiple": (ValueError, "must be a multiple of the cache's kv_heads"),
+    "unknown impl": (ValueError, "impl must be one of"),
+    "a GPU kernel on the CPU": (NotImplementedError, "pass interpret=True"),
+    "every layer's caches": (TypeError, "expected one layer's cache"),
+}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    fault=st.none() | st.sampled_from(sorted(ATTENTION_FAULTS)),
+    kind=st.sampled_from(["plain", "full"]),
+    n=st.integers(0, T),
+)
+def test_decode_attention_agrees_with_the_reference_or_names_the_bad_argument(fault, kind, n):
+    cfg = None if kind == "full" else CONFIGS[kind]
+    cache = kj.init_cache(cfg, batch=B, max_len=T, num_kv_heads=H, head_dim=D, dtype="float32")
+    k, v = _planted(n, "float32", [])
+    cache = kj.prefill(cache, k, v, lengths=jnp.array([n, T - n]))
+    q = jnp.asarray(np.random.default_rng(n).normal(size=(B, 2 * H, D)), jnp.float32)
+    kw = dict(impl="auto")
+    if fault is None:
+        want = np.asarray(kj.decode_attention(q, cache, impl="reference"))
+        got = np.asarray(kj.decode_attention(q, cache, **kw))
+        assert got.shape == (B, 2 * H, D) and np.isfinite(got).all()
+        if jax.default_backend() == "cpu":  # "auto" is the reference here; kernels: their files
+            np.testing.assert_array_equal(got, want)
+        return
+    q = {
+        "q of 2 axes": q[0],
+        "integer q": q.astype(jnp.int32),
+        "q of another batch": q[:1],
+        "q_heads not a multiple": q[:, :3],
+    }.get(fault, q)
+    kw = {"unknown impl": dict(impl="cuda"), "a GPU kernel on the CPU": dict(impl="pallas")}.get(
+        fault, kw
+    )
+    if fault == "every layer's caches":
+        cache = (cache, cache)
+    error, match = ATTENTION_FAULTS[fault]
+    if fault == "a GPU kernel on the CPU" and jax.default_backend() == "gpu":
+        return
+    with pytest.raises(error, match=match):
+        kj.decode_attention(q, cache, **kw)
