@@ -209,7 +209,7 @@ def test_a_bad_param_dtype_is_named_before_anything_loads(tmp_path, dtype, messa
         kivi_jax.load_model(tmp_path / "never-read.gguf", dtype=dtype)
 
 
-def test_a_damaged_saved_model_is_a_one_line_error(tmp_path):
+def test_a_damaged_saved_model_is_a_one_line_error(tmp_path, capfd):
     src = str(tmp_path / "tiny.gguf")
     write_gguf(src, tiny_params())
     saved = tmp_path / "saved"
@@ -221,9 +221,11 @@ def test_a_damaged_saved_model_is_a_one_line_error(tmp_path):
         kivi_jax.load_model(saved)
     assert "\n" not in str(e.value)
     marker.write_text(json.dumps(meta))
-    for path in (saved / "params").rglob("*"):  # every data file cut to its first bytes
-        if path.is_file() and path.stat().st_size > 16 and "json" not in path.name:
-            path.write_bytes(path.read_bytes()[:16])
+    files = [p for p in (saved / "params").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)  # an array's data, cut in half
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    capfd.readouterr()
     with pytest.raises(ModelLoadError, match="cannot restore the params checkpoint") as e:
         kivi_jax.load_model(saved)
-    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert "\n" not in str(e.value) and "TensorStore" not in str(e.value)
+    assert "Traceback" not in capfd.readouterr().err  # orbax's threads closed with it

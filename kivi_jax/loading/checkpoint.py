@@ -91,11 +91,11 @@ def restore_model(directory: str, *, dtype=None):
 
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
     try:
-        tree = ocp.StandardCheckpointer().restore(
-            os.path.join(directory, "params"), _to_tree(abstract)
-        )
-    except Exception as e:  # TensorStore's message runs to ~60 lines: its first line
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.restore(os.path.join(directory, "params"), _to_tree(abstract))
+    except Exception as e:  # TensorStore's message runs to ~60 lines: its first sentence
+        first = str(e).strip().split("See full TensorStore")[0].strip().splitlines()
+        first = first[0][:200] if first else type(e).__name__
         raise ModelLoadError(
             f"{directory}: cannot restore the params checkpoint, damaged or incomplete ({first})"
         ) from None
