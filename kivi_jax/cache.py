@@ -20,7 +20,8 @@ vpb = 8 // v_bits codes per byte (bit order: kivi_jax.quantization):
     k_residual dtype [B, H, R, D]          the last min(l, R) keys, token t in slot t % R
     v_residual dtype [B, H, R, D]          the last min(l, R) values, token t in slot t % R
     lengths    int32 [B]                   tokens held per sequence (l)
-    overflow   bool  [B]                   a write under jit would have exceeded max_len
+    overflow   bool  [B]                   a write under jit would have exceeded max_len,
+                                           or prefill's lengths lay outside [0, seq]
 
 For a sequence of length l (KIVI.md, Algorithm 1), attention reads
 
@@ -92,7 +93,8 @@ full-precision prompt pass while decoding's come from the cache, so their scores
 Capacity: outside jit, a write past max_len raises ValueError. Under jit the lengths are not known
 at trace time: the tokens that do not fit are not stored, the length stops at max_len and the
 row's `overflow` flag is set; check `cache.overflow` after a jitted loop (generate checks the
-capacity before it runs).
+capacity before it runs). Likewise prefill's `lengths`: outside jit a row outside [0, seq]
+raises ValueError; under jit it is clipped to [0, seq] and the row's `overflow` is set.
 """
 
 from __future__ import annotations
@@ -386,6 +388,16 @@ def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+def _as_array(what: str, name: str, x) -> jax.Array:
+    """x as an array (a nested list or a numpy array is taken), or TypeError naming it."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: {name} must be an array, got {type(x).__name__} ({e})") from None
+
+
 def _check_kv(cache: Cache, k: jax.Array, v: jax.Array, *, step: bool) -> None:
     what = "append" if step else "prefill"
     want = "[batch, kv_heads, head_dim]" if step else "[batch, seq, kv_heads, head_dim]"
@@ -430,6 +442,7 @@ def prefill(
       MASS, up to the rounding of the scores (module doc).
     """
     check_cache(cache)
+    k, v = _as_array("prefill", "k", k), _as_array("prefill", "v", v)
     _check_kv(cache, k, v, step=False)
     q = _check_q(cache, q, k, step=False)
     seq = k.shape[1]
@@ -449,7 +462,11 @@ def prefill(
                     f"prefill: lengths must lie in [0, seq={seq}]; rows {bad.tolist()} have "
                     f"{np.asarray(counts)[bad].tolist()}"
                 )
+        # Under jit the values are not known: a row outside [0, seq] is clipped and flagged.
+        outside = (counts < 0) | (counts > seq)
         counts = jnp.clip(counts.astype(jnp.int32), 0, seq)
+        out = _extend(cache, k, v, counts, q)
+        return dataclasses.replace(out, overflow=out.overflow | outside)
     return _extend(cache, k, v, counts, q)
 
 
@@ -476,6 +493,7 @@ def append(
       afterwards reads the state that holds the new token).
     """
     check_cache(cache)
+    k, v = _as_array("append", "k", k), _as_array("append", "v", v)
     _check_kv(cache, k, v, step=True)
     q = _check_q(cache, q, k, step=True)
     if q is not None:
@@ -713,7 +731,7 @@ def _keys_at(cfg: KiviConfig, arrays: dict, pos: jax.Array) -> jax.Array:
     scale = _gather(arrays["k_scale"], group).astype(jnp.float32)
     zero = _gather(arrays["k_zero"], group).astype(jnp.float32)
     if arrays.get("fine_codes") is None:
-        return code.astype(jnp.float32) * scale + zero
+        return quantization.affine(code.astype(jnp.float32), scale, zero)
     lo = (_gather(arrays["fine_codes"], byte) >> shift) & mask  # [B, H, J, F]
     channels = _gather(arrays["fine_channels"], group)
     d = scale.shape[-1]
@@ -726,7 +744,7 @@ def _fine_dequantize(code, scale, zero, lo, channels, bits: int, d: int) -> jax.
     lo_full = _put_channels(lo, channels, d).astype(jnp.int32)
     full = jnp.where(is_fine, code.astype(jnp.int32) * (1 << bits) + lo_full, code)
     step = jnp.where(is_fine, scale / (1 << bits), scale)
-    return full.astype(jnp.float32) * step + zero
+    return quantization.affine(full.astype(jnp.float32), step, zero)
 
 
 def _window_mass(cfg, q, k_band, sink_k, old, new):
@@ -779,8 +797,11 @@ def _window_mass(cfg, q, k_band, sink_k, old, new):
 def _merge_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, n: int):
     """The N best of the heavy slots and the candidates, in position order (module doc).
 
-    cand_* [B, H, J(, D)] the candidates (positions above every slot's), valid [B, H, J].
+    cand_* [B, H, J(, D)] the candidates (positions above every slot's), valid [B, H, J]. A NaN
+    score (a non-finite key or value) counts as +inf: such a token is kept in full precision
+    before any other, and the order stays total, so prefill and appends choose alike.
     """
+    cand_score = jnp.where(jnp.isnan(cand_score), jnp.inf, cand_score)
     pos = jnp.concatenate([side.heavy_pos, cand_pos], axis=2)  # [B, H, N + J]
     score = jnp.concatenate([side.heavy_score, cand_score], axis=2)
     ok = jnp.concatenate([side.heavy_pos >= 0, valid], axis=2)
@@ -1004,6 +1025,12 @@ def dequantize(cache: Cache, dtype=None) -> tuple[jax.Array, jax.Array]:
     dtype; pass jnp.float32 for the reconstruction without a final rounding.
     """
     k, v = dequantized_heads_major(cache)
-    dtype = cache.dtype if dtype is None else dtype
+    dtype = jnp.dtype(cache.dtype if dtype is None else dtype)
+    # A reconstruction of finite tokens stays finite in `dtype`: at most its largest value.
+    if jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        cast = lambda x: jnp.where(jnp.isinf(x), x, jnp.clip(x, -top, top)).astype(dtype)
+    else:
+        cast = lambda x: x.astype(dtype)
     # [B, H, C, D] -> [B, max_len, H, D]
-    return tuple(jnp.swapaxes(x[:, :, : cache.max_len], 1, 2).astype(dtype) for x in (k, v))
+    return tuple(cast(jnp.swapaxes(x[:, :, : cache.max_len], 1, 2)) for x in (k, v))

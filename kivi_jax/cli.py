@@ -142,11 +142,12 @@ class _Progress:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     err = sys.stderr
-    from kivi_jax.generate import TokenStream, check_prompt, encode_prompt
+    from kivi_jax.generate import TokenStream, check_prompt, check_seed, encode_prompt
 
-    try:
-        check_prompt(args.prompt)  # before anything is loaded
-    except ValueError as e:
+    try:  # before anything is loaded
+        check_prompt(args.prompt)
+        check_seed(args.seed)
+    except (TypeError, ValueError) as e:
         err.write(f"kivi-generate: error: {e}\n")
         return 2
     err.write("loading: importing jax...")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             eos_id=tok.eos_id,
         )
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")
         return 2
     err.write(f" {stream.stats.compile_s:.1f}s\n")
@@ -220,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     out.flush()
 
     s = stream.stats
+    decode = (
+        f"decode {s.decode_tokens_per_s:.1f} tok/s"
+        if s.generated_tokens > 1
+        else "no decode step (the one token came from the prefill)"
+    )
     err.write(
         f"\n--- {len(ids)} prompt tokens, {s.generated_tokens} generated{stop}"
         f" | prefill {s.prefill_tokens_per_s:.1f} tok/s ({s.prefill_s:.2f}s)"
-        f" | decode {s.decode_tokens_per_s:.1f} tok/s"
+        f" | {decode}"
         f" | load {load_s:.1f}s, compile {s.compile_s:.1f}s\n"
         f"--- {kv_summary(args.kv, s, c, model.params.dtype)}\n"
     )

@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 SUPPORTED_BITS = (2, 4, 8)
+_INT_FIELDS = (
+    "k_bits", "v_bits", "group_size", "residual_length", "sinks", "fine_key_channels",
+    "heavy_tokens",
+)  # fmt: skip
 
 
 class Selection(enum.Enum):
@@ -69,17 +75,21 @@ class KiviConfig:
         return self.heavy_tokens > 0 and self.selection is Selection.MASS
 
     def __post_init__(self):
+        for name in _INT_FIELDS:  # numpy ints (e.g. read from an array) taken as Python ints
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
         for name in ("k_bits", "v_bits"):
             bits = getattr(self, name)
-            if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+            if not isinstance(bits, int) or isinstance(bits, bool) or bits not in SUPPORTED_BITS:
                 raise ValueError(f"KiviConfig.{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
         g, r = self.group_size, self.residual_length
-        if not isinstance(g, int) or g <= 0 or g % 4:
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0 or g % 4:
             raise ValueError(
                 f"KiviConfig.group_size must be a positive multiple of 4 (a group fills whole "
                 f"bytes of 2-bit codes), got {g!r}"
             )
-        if not isinstance(r, int) or r <= 0 or r % g:
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or r % g:
             raise ValueError(
                 f"KiviConfig.residual_length must be a positive multiple of "
                 f"group_size={g}, got {r!r}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -89,14 +90,20 @@ class Sampling:
     eos_id: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
-        if not isinstance(self.seed, int | np.integer) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        real = lambda x: (
+            isinstance(x, int | float | np.integer | np.floating)
+            and not isinstance(x, bool | np.bool_)
+        )
+        if not real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        top_k = self.top_k
+        if top_k is not None and (
+            not isinstance(top_k, int | np.integer) or isinstance(top_k, bool) or top_k < 1
+        ):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if self.top_p is not None and (not real(self.top_p) or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        check_seed(self.seed)
 
     @property
     def pad_id(self) -> int:
@@ -247,6 +254,20 @@ def _program_args(sampling: Sampling, batch: int, max_new_tokens: int):
     return rows, dict(width=new_tokens_width(max_new_tokens), **static), static
 
 
+# jax.random.key keeps 32 bits of the seed here (64-bit ints off): a seed outside [0, 2^32)
+# would give another seed's stream, or an OverflowError past 2^63.
+SEED_RANGE = (0, 2**32)
+
+
+def check_seed(seed) -> int:
+    """The seed as an int, or ValueError/TypeError naming it."""
+    if not isinstance(seed, int | np.integer) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
+    return int(seed)
+
+
 def _token_array(tokens) -> np.ndarray:
     """Prompts as one array; a ragged list of prompts is an error that says how to batch it."""
     if isinstance(tokens, list | tuple):
@@ -362,8 +383,9 @@ def generate(
       max_new_tokens: N, tokens generated per sequence (prompt + N must fit the context).
       temperature, top_k, top_p: sampling (temperature 0: greedy); traced, so a new value
         compiles nothing.
-      seed: PRNG seed for sampling: row b samples as `Sampling(seed=(seed + b) % 2**32)`
-        does alone (its tokens do not depend on the other rows).
+      seed: PRNG seed for sampling, an int in [0, 2**32): row b samples as
+        `Sampling(seed=(seed + b) % 2**32)` does alone (its tokens do not depend on the other
+        rows).
       eos_id: a sequence stops after producing it; its later positions are eos_id.
       lengths: int [batch] real prompt lengths (default: all `seq`).
       prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
@@ -380,12 +402,13 @@ def generate(
     Raises:
       ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
         outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
-        lengths, a seed outside [0, 2**32), a mesh that does not fit (sharding.check_mesh); all
-        before anything is compiled or run.
+        lengths, a temperature that is not a finite number >= 0, top_k that is not a positive
+        int (a bool is not), top_p outside (0, 1], a seed outside [0, 2**32), a mesh that does
+        not fit (sharding.check_mesh); all before anything is compiled or run.
+      TypeError: params that are not LlamaParams, a seed that is not an int.
     """
-    sampling = Sampling(
-        temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
-    )
+    seed = check_seed(seed)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id)
     mesh = _mesh_for(params, mesh)
     tokens, lengths, cache, rows = _prepare(
         params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -455,8 +478,9 @@ class TokenStream:
         mesh=None,
     ):
         mesh = _mesh_for(params, mesh)
+        seed = check_seed(seed)
         self.sampling = Sampling(
-            temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
         )
         self.max_new_tokens = int(max_new_tokens)
         self.tokens, self.lengths, cache, rows = _prepare(
@@ -522,6 +546,10 @@ def check_prompt(prompt: str) -> None:
         raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError(f"the prompt is empty: {prompt!r}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # e.g. undecodable command-line bytes, kept as lone surrogates
+        raise ValueError(f"the prompt is not valid UTF-8 text: {prompt!r:.80}") from None
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
@@ -553,6 +581,11 @@ def generate_text(
     seed: int = 0,
 ) -> str:
     """The model's answer to one prompt, as text (chat template applied when `chat`)."""
+    if not hasattr(model, "tokenizer"):
+        raise TypeError(
+            f"generate_text takes the Model (load_model's result), got {type(model).__name__}: "
+            f"pass the model itself, not model.params"
+        )
     ids = encode_prompt(model.tokenizer, prompt, chat=chat)
     eos = model.tokenizer.eos_id
     out = generate(

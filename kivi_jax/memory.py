@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kivi_jax.cache import Cache, FullCache
+from kivi_jax.cache import Cache, FullCache, check_cache
 from kivi_jax.config import KiviConfig
 
 
@@ -45,6 +45,8 @@ class MemoryReport:
 def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
     """Exact bytes the arrays of `cache` occupy (one layer, or a tuple of layers: their sum)."""
     if isinstance(cache, tuple | list):
+        if not cache:
+            raise ValueError("memory_report: cache is an empty sequence; pass one or more caches")
         reports = [memory_report(c) for c in cache]
         return MemoryReport(
             **{
@@ -52,6 +54,7 @@ def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
                 for f in dataclasses.fields(reports[0])
             }
         )
+    check_cache(cache)
     size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
     counters = size(cache.lengths, cache.overflow)
     # A FullCache's k and v: [batch, max_len, kv_heads, head_dim] each.
@@ -122,9 +125,29 @@ class HeldBits:
 
 
 def held_bits(
-    config: KiviConfig | None, *, length: int, head_dim: int, dtype=jnp.bfloat16
+    config: KiviConfig | str | None, *, length: int, head_dim: int, dtype=jnp.bfloat16
 ) -> HeldBits:
-    """Bits that `length` tokens cost in one sequence's KV head under `config` (None: full)."""
+    """Bits that `length` tokens cost in one sequence's KV head under `config` (None or "full":
+    the full-precision cache; a preset's name, e.g. "kivi2", is taken as that preset).
+
+    Raises ValueError/TypeError naming the argument: an unknown preset, a negative length, a
+    head_dim that is not a positive int or that the config's group_size does not divide, a
+    dtype that is not float32, bfloat16 or float16.
+    """
+    from kivi_jax.generate import resolve_kv  # the presets live with generate's `kv=`
+
+    if isinstance(config, str):
+        config = resolve_kv(config)
+    elif config is not None and not isinstance(config, KiviConfig):
+        raise TypeError(f"config must be a KiviConfig, a preset's name or None, got {config!r}")
+    for name, value, least in (("length", length, 0), ("head_dim", head_dim, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if config is not None:
+        config.check_head_dim(head_dim)
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                jnp.dtype(jnp.float16)):  # fmt: skip
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     w = jnp.dtype(dtype).itemsize * 8
     side = 0
     if config is None:

@@ -7,6 +7,10 @@ A group of values X is stored as codes q in [0, 2^B - 1] with a scale s and a ze
 s and z are stored in the cache dtype. z is the group minimum, which is exact because X is already
 in that dtype; s is rounded *up* to the dtype, so z + (2^B - 1) * s covers max(X) and every member
 is within s / 2 of its reconstruction. A constant group has s = 0 and reconstructs exactly as z.
+A group with a non-finite member (NaN, +-inf) stores s = z = NaN and codes 0: all its members
+dequantize to NaN. Finite groups anywhere in float32's range get finite s, z and reconstructions
+(spans and products beyond the range are taken halved; docs/design.md, "Non-finite and extreme
+values").
 
 Packing (the only place that defines the bit order): `8 // bits` codes share one uint8. Along the
 packed axis, element i lives in byte i // (8 // bits) at bits [bits * (i % (8 // bits)), +bits),
@@ -86,6 +90,45 @@ def round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
     return jnp.where(as_float32(y) < x, bumped, y)
 
 
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def is_finite(x: jax.Array) -> jax.Array:
+    """Whether float32 x is finite (|x| <= max is False for inf and NaN; lowers everywhere)."""
+    return jnp.abs(x) <= _F32_MAX
+
+
+def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """The stored scale and zero (`dtype`) of groups with float32 minimum lo and maximum hi.
+
+    scale = round_up((hi - lo) * (1 / levels)), zero = lo; a span beyond float32's range (finite
+    members near -max and +max) is taken halved, so finite groups get finite parameters. Groups
+    that are not `finite` (a member is NaN or +-inf) get NaN for both: every member of such a
+    group dequantizes to NaN, never to a finite number.
+    """
+    levels = (1 << bits) - 1
+    span = hi - lo
+    halved = (hi * 0.5 - lo * 0.5) * jnp.float32(2.0 / levels)
+    step = jnp.where(jnp.isinf(span), halved, span * jnp.float32(1.0 / levels))
+    nan = jnp.array(jnp.nan, dtype)
+    scale = jnp.where(finite, round_up_to_dtype(jnp.where(finite, step, 0.0), dtype), nan)
+    return scale, jnp.where(finite, lo.astype(dtype), nan)
+
+
+def codes_of(x, scale, zero, finite, bits: int, round_fn=jnp.round) -> jax.Array:
+    """uint8 codes round((x - zero) / scale) in [0, levels] of float32 x against its group's
+    stored scale and zero (broadcastable); 0 in groups that are not `finite`. A scale of 2^64
+    or more (a group spanning a good part of float32's range) divides x - zero scaled by 2^-64:
+    x - zero may overflow there, and XLA, which divides by multiplying by 1 / scale, would flush
+    that reciprocal to zero."""
+    levels = (1 << bits) - 1
+    s, z = as_float32(scale), as_float32(zero)
+    s = jnp.where(s == 0, 1.0, s)
+    tiny = jnp.float32(2.0**-64)
+    q = jnp.where(s >= 2.0**64, (x * tiny - z * tiny) / (s * tiny), (x - z) / s)
+    return jnp.where(finite, jnp.clip(round_fn(q), 0, levels), 0).astype(jnp.uint8)
+
+
 def quantize(
     x: jax.Array, bits: int, group_size: int, axis: int, dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,20 +145,15 @@ def quantize(
       codes: uint8, same shape as x, unpacked, in [0, 2^B - 1].
       scale, zero: `dtype`, x.shape with `axis` shrunk by G; x ~= codes * scale + zero.
     """
-    levels = (1 << bits) - 1
     xf = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
     *lead, m = xf.shape
     if m % group_size:
         raise ValueError(f"axis of length {m} is not a multiple of group_size={group_size}")
     g = xf.reshape(*lead, m // group_size, group_size)  # [..., groups, G]
-    lo = jnp.min(g, axis=-1)
-    hi = jnp.max(g, axis=-1)
-    zero = lo.astype(dtype)
-    scale = round_up_to_dtype((hi - lo) / levels, dtype)
-    s = as_float32(scale)[..., None]
-    z = as_float32(zero)[..., None]
-    q = jnp.round((g - z) / jnp.where(s == 0, 1.0, s))
-    codes = jnp.clip(q, 0, levels).astype(jnp.uint8).reshape(*lead, m)
+    finite = jnp.all(is_finite(g), axis=-1)
+    scale, zero = scale_and_zero(jnp.min(g, axis=-1), jnp.max(g, axis=-1), finite, bits, dtype)
+    codes = codes_of(g, scale[..., None], zero[..., None], finite[..., None], bits)
+    codes = codes.reshape(*lead, m)
     return (
         jnp.moveaxis(codes, -1, axis),
         jnp.moveaxis(scale, -1, axis),
@@ -129,7 +167,15 @@ def dequantize(
     """codes * scale + zero in float32, the scale and zero repeated over each group along `axis`."""
     s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
     z = jnp.repeat(zero.astype(jnp.float32), group_size, axis=axis)
-    return codes.astype(jnp.float32) * s + z
+    return affine(codes.astype(jnp.float32), s, z)
+
+
+def affine(c: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
+    """c * s + z in float32, finite wherever s and z are: where the product overflows (a group
+    spanning most of float32's range) it is taken halved, and the result clipped to the range."""
+    y = c * s + z
+    half = jnp.clip(c * (s * 0.5) + z * 0.5, -_F32_MAX / 2, _F32_MAX / 2)
+    return jnp.where(jnp.isinf(y) & is_finite(s) & is_finite(z), half * 2, y)
 
 
 def fake_quantize(x: jax.Array, bits: int, group_size: int, axis: int) -> jax.Array:

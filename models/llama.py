@@ -237,7 +237,10 @@ def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
 
 
 def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params.embed, tokens, axis=0)
+    # An id outside [0, vocab) (only possible under jit, where _check_tokens cannot see the
+    # values) reads a row of NaN, so its logits are NaN rather than another token's.
+    vocab = params.embed.shape[0]
+    return jnp.take(params.embed, jnp.where(tokens < 0, vocab, tokens), axis=0, mode="fill")
 
 
 def _prompt_attention_impl(dtype) -> str | None:
@@ -274,9 +277,53 @@ def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
     return h, q, k, v
 
 
-def _check_tokens(params: LlamaParams, tokens) -> None:
+def _check_tokens(params: LlamaParams, tokens, lengths=None):
+    """(tokens, lengths) as arrays, checked: tokens int [B, S] with S <= max_context, and, where
+    they are concrete (outside jit), ids in [0, vocab) and lengths in [1, S]. Under jit an id
+    outside [0, vocab) gives NaN logits (`_embed`) and lengths are clipped by the attention mask."""
+    if not isinstance(getattr(params, "config", None), LlamaConfig):
+        raise TypeError(f"params must be the model's weights (model.params), got {params!r:.60}")
+    if isinstance(tokens, list | tuple):
+        try:
+            tokens = np.asarray(tokens)
+        except ValueError as e:
+            raise ValueError(f"tokens must be a rectangular [batch, seq] of ids: {e}") from None
+    if not hasattr(tokens, "ndim") or not hasattr(tokens, "dtype"):
+        raise TypeError(f"tokens must be an int array [batch, seq], got {type(tokens).__name__}")
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    c = params.config
+    if tokens.shape[1] > c.max_context:
+        raise ValueError(
+            f"tokens: {tokens.shape[1]} positions exceed the model's context "
+            f"(max_context={c.max_context})"
+        )
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+        ids = np.asarray(tokens)
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            bad = ids[(ids < 0) | (ids >= c.vocab_size)]
+            raise ValueError(
+                f"tokens: ids must lie in [0, vocab_size={c.vocab_size}), got {bad[:5].tolist()}"
+            )
+    if lengths is not None:
+        if isinstance(lengths, list | tuple):
+            lengths = np.asarray(lengths)
+        if getattr(lengths, "shape", None) != tokens.shape[:1] or not jnp.issubdtype(
+            lengths.dtype, jnp.integer
+        ):
+            raise ValueError(
+                f"lengths must be ints of shape ({tokens.shape[0]},), got {lengths!r:.80}"
+            )
+        if not isinstance(lengths, jax.core.Tracer):
+            n = np.asarray(lengths)
+            if n.size and (n.min() < 1 or n.max() > tokens.shape[1]):
+                raise ValueError(
+                    f"lengths must lie in [1, seq={tokens.shape[1]}], got {n.tolist()[:8]}"
+                )
+        lengths = jnp.asarray(lengths)
+    return jnp.asarray(tokens), lengths
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -284,7 +331,6 @@ def _check_tokens(params: LlamaParams, tokens) -> None:
 
 def _prompt_pass(params, tokens, lengths, attention, collect: bool):
     """Every block over the prompt: (h [B, S, d], per layer (q, k, v) if collect)."""
-    _check_tokens(params, tokens)
     c = params.config
     B, S = tokens.shape
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -296,7 +342,6 @@ def _prompt_pass(params, tokens, lengths, attention, collect: bool):
     return h, qkv
 
 
-@functools.partial(jax.jit, static_argnames=("attention",))
 def forward(
     params: LlamaParams, tokens: jax.Array, lengths: jax.Array | None = None, *, attention=None
 ) -> jax.Array:
@@ -311,16 +356,26 @@ def forward(
 
     Returns:
       float32 logits [B, S, V].
+
+    Raises (before anything compiles): TypeError/ValueError for tokens that are not int
+    [B, S] (a rectangular list of lists is taken), S > max_context, an id outside
+    [0, vocab_size) or lengths outside [1, S]. Called under jit, the values cannot be checked:
+    an id outside [0, vocab_size) then makes its row's logits NaN (docs/design.md).
     """
+    tokens, lengths = _check_tokens(params, tokens, lengths)
     if params.mesh is not None:
         from kivi_jax import sharding
 
         return sharding.forward(params, tokens, lengths, attention=attention)
+    return _forward(params, tokens, lengths, attention=attention)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def _forward(params, tokens, lengths, *, attention):
     h, _ = _prompt_pass(params, tokens, lengths, attention, collect=False)
     return _logits(params, h)
 
 
-@functools.partial(jax.jit, static_argnames=("attention",))
 def forward_with_qkv(
     params: LlamaParams,
     tokens: jax.Array,
@@ -332,7 +387,7 @@ def forward_with_qkv(
     """`forward` that also returns every layer's q, k, v (post-RoPE), stacked on a layer axis.
 
     Args:
-      params, tokens, lengths, attention: as `forward`.
+      params, tokens, lengths, attention: as `forward` (checked alike).
       logits_at: optional int [B]; if given, only the logits at these positions are computed.
 
     Returns:
@@ -343,6 +398,19 @@ def forward_with_qkv(
         raise NotImplementedError(
             "forward_with_qkv runs on one device: kivi_jax.sharding.unshard_params(params)"
         )
+    tokens, lengths = _check_tokens(params, tokens, lengths)
+    return _forward_with_qkv(params, tokens, lengths, attention=attention, logits_at=logits_at)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def _forward_with_qkv(
+    params: LlamaParams,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    *,
+    attention=None,
+    logits_at: jax.Array | None = None,
+):
     h, qkv = _prompt_pass(params, tokens, lengths, attention, collect=True)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
@@ -367,8 +435,10 @@ def prefill(
 
     Returns:
       (float32 logits of each prompt's last real token [B, V], the filled states).
+
+    Raises: as `forward` for the tokens and lengths (values checked where concrete).
     """
-    _check_tokens(params, tokens)
+    tokens, lengths = _check_tokens(params, tokens, lengths)
     if params.mesh is not None:
         from kivi_jax import sharding
 

@@ -114,11 +114,11 @@ def prefill_then_appends(fresh, k, v, n: int, m: int):
 
 
 def tree_equal(a, b) -> bool:
-    """Pytrees with equal structure, static fields and bit-identical leaves."""
+    """Pytrees with equal structure, static fields and bit-identical leaves (NaN equal to NaN)."""
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
     pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return all(bool(jnp.array_equal(x, y)) for x, y in pairs)
+    return all(bool(jnp.array_equal(x, y, equal_nan=True)) for x, y in pairs)
 
 
 # ---------------------------------------------------------------------------- the real checkpoint

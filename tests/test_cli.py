@@ -155,3 +155,29 @@ def test_tensor_parallel_over_more_devices_than_here_is_an_error_before_loading(
     assert "--tensor-parallel: tensor parallelism over 3 devices, but only 1 are here" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hi", "--seed", str(2**70)], "seed must lie in [0, 2**32)"),
+        (["hi", "--seed", "-1"], "seed must lie in [0, 2**32)"),
+        (["caf\udce9"], "the prompt is not valid UTF-8 text"),  # b"caf\xe9" as argv decodes it
+    ],
+)
+def test_a_bad_seed_or_an_undecodable_prompt_is_one_line_before_the_model_loads(
+    argv, message, monkeypatch, capsys
+):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kivi_jax.loading.load_model", load_model)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kivi-generate: error: {message}") and err.count("\n") == 1
+
+
+def test_one_new_token_is_summarized_without_a_decode_rate(tiny_gguf, capsys):
+    assert main(["the theme", "--model", tiny_gguf, "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "1 generated" in err and "no decode step" in err and "nan" not in err

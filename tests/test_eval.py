@@ -209,3 +209,14 @@ def test_cli_quick_mix_writes_the_sweep_and_the_held_out_check(tmp_path):
         studies.KV_SETTINGS
     )
     assert "Held out" in (out / "mix.md").read_text() and (out / "mix.png").stat().st_size > 0
+
+
+def test_cli_out_that_is_a_file_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(kj, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    text = tmp_path / "prose.txt"
+    text.write_text("words " * 10)
+    assert cli.main(["errors", "--quick", "--out", str(taken), "--text", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kivi-eval: error: --out {taken}: {taken} is a file, not a folder\n"

@@ -7,6 +7,7 @@ import json
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -190,3 +191,41 @@ def test_hf_directory_with_a_misshapen_projection_names_the_layer(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"layer 1: wk .* and wv .* must have the same shape"):
         kivi_jax.load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "dtype, message",
+    [
+        (jnp.int8, r"dtype must be one of \('float32', 'bfloat16', 'float16'\), got"),
+        ("float64", "dtype must be one of"),
+        ("fp16", "dtype must be one of"),
+        ("float16", "dtype float16 does not run on the CPU"),
+    ],
+)
+def test_a_bad_param_dtype_is_named_before_anything_loads(tmp_path, dtype, message):
+    if dtype == "float16" and jax.default_backend() != "cpu":
+        pytest.skip("float16 params run on accelerators")
+    with pytest.raises(ValueError, match=message):
+        kivi_jax.load_model(tmp_path / "never-read.gguf", dtype=dtype)
+
+
+def test_a_damaged_saved_model_is_a_one_line_error(tmp_path, capfd):
+    src = str(tmp_path / "tiny.gguf")
+    write_gguf(src, tiny_params())
+    saved = tmp_path / "saved"
+    kivi_jax.save_model(kivi_jax.load_model(src, dtype=jnp.float32), saved)
+    marker = saved / "kivi_model.json"
+    meta = json.loads(marker.read_text())
+    marker.write_text(json.dumps({k: v for k, v in meta.items() if k != "config"}))
+    with pytest.raises(ModelLoadError, match=r"kivi_model\.json has no valid config") as e:
+        kivi_jax.load_model(saved)
+    assert "\n" not in str(e.value)
+    marker.write_text(json.dumps(meta))
+    files = [p for p in (saved / "params").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)  # an array's data, cut in half
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    capfd.readouterr()
+    with pytest.raises(ModelLoadError, match="cannot restore the params checkpoint") as e:
+        kivi_jax.load_model(saved)
+    assert "\n" not in str(e.value) and "TensorStore" not in str(e.value)
+    assert "Traceback" not in capfd.readouterr().err  # orbax's threads closed with it

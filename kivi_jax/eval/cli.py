@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import platform
 import sys
@@ -110,6 +111,15 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _check_out(out: pathlib.Path) -> None:
+    """Raises ValueError unless `out` is a folder, or can be made as one, that we may write."""
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable")
+
+
 def run(args, log) -> list[pathlib.Path]:
     import jax.numpy as jnp
 
@@ -127,6 +137,18 @@ def run(args, log) -> list[pathlib.Path]:
     for text in [args.text, *(args.check_text or [])]:
         if text is not None and not pathlib.Path(text).is_file():
             raise FileNotFoundError(f"prose file not found: {text}")
+    if args.text is None and set(studies_to_run) - {"passkey"} and not data.DEFAULT_PROSE.is_file():
+        raise FileNotFoundError(
+            f"the default prose {data.DEFAULT_PROSE} is not here (Debian/Ubuntu's base-files "
+            f"ships it): pass --text FILE, any long English text"
+        )
+    if "mix" in studies_to_run and not args.check_text and not data.HELD_OUT_PROSE.is_file():
+        raise FileNotFoundError(
+            f"mix's default held-out prose {data.HELD_OUT_PROSE} is not here (Debian/Ubuntu's "
+            f"base-files ships it): pass --check-text FILE"
+        )
+    out = pathlib.Path(args.out)
+    _check_out(out)  # before the model loads: an unusable --out fails now, not after an hour
     model = (
         kivi_jax.load_model(args.model, dtype=jnp.float32)
         if args.model
@@ -139,7 +161,6 @@ def run(args, log) -> list[pathlib.Path]:
             max_context=params.config.max_context,
             new_tokens=studies.PASSKEY_NEW_TOKENS,
         )
-    out = pathlib.Path(args.out)
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
         f"float32 on {platform.machine()} CPU"

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.metadata
 import os
 
+import jax
 import jax.numpy as jnp
 
 from kivi_jax.loading.checkpoint import is_saved_model, restore_model
@@ -85,8 +86,11 @@ def load_model(
 
     Raises:
       ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
-      ValueError: a mesh the model does not fit (kivi_jax.sharding.check_mesh).
+      ValueError: a dtype other than float32, bfloat16 or float16, or float16 on the CPU
+        (XLA's CPU dots take no float16 operands); a mesh the model does not fit
+        (kivi_jax.sharding.check_mesh).
     """
+    dtype = check_param_dtype(dtype)
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
@@ -111,6 +115,30 @@ def load_model(
     return Model(params=params, tokenizer=tokenizer, source=path)
 
 
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_param_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a jnp.dtype, or ValueError naming it and the allowed ones."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is None or d.name not in PARAM_DTYPES:
+        raise ValueError(f"dtype must be one of {PARAM_DTYPES}, got {dtype!r}")
+    if d == jnp.float16 and jax.default_backend() == "cpu":
+        raise ValueError(
+            "dtype float16 does not run on the CPU (XLA's CPU dots take no float16 operands): "
+            "use bfloat16 or float32"
+        )
+    return d
+
+
 def save_model(model: Model, directory: str | os.PathLike) -> None:
     """Saves converted params + tokenizer for a fast `load_model(directory)`."""
+    if not isinstance(model, Model):
+        raise TypeError(
+            f"save_model takes the Model (load_model's result), got {type(model).__name__}: "
+            f"pass the model itself, not model.params"
+        )
     _save_model(model.params, model.tokenizer, os.fspath(directory))

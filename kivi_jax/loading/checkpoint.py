@@ -94,8 +94,13 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
             f"{directory}: saved-model format {meta.get('format')!r}, this version reads "
             f"{_FORMAT!r} (save the model again with this version's save_model)"
         )
-    config = LlamaConfig(**meta["config"])
-    saved_dtype = jnp.dtype(meta["dtype"])
+    try:
+        config = LlamaConfig(**meta["config"])
+        saved_dtype = jnp.dtype(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{directory}: {MARKER} has no valid config and dtype ({type(e).__name__}: {e})"
+        ) from None
     from kivi_jax.models.llama import init_params
 
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
@@ -105,11 +110,14 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
         sharding.check_mesh(mesh, config)
         abstract = sharding.restore_targets(abstract, mesh)
     try:
-        tree = ocp.StandardCheckpointer().restore(
-            os.path.join(directory, "params"), _to_tree(abstract)
-        )
-    except Exception as e:
-        raise ModelLoadError(f"{directory}: cannot restore the params checkpoint ({e})") from e
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.restore(os.path.join(directory, "params"), _to_tree(abstract))
+    except Exception as e:  # TensorStore's message runs to ~60 lines: its first sentence
+        first = str(e).strip().split("See full TensorStore")[0].strip().splitlines()
+        first = first[0][:200] if first else type(e).__name__
+        raise ModelLoadError(
+            f"{directory}: cannot restore the params checkpoint, damaged or incomplete ({first})"
+        ) from None
     params = LlamaParams(
         embed=tree["embed"],
         layers=tuple(LayerWeights(**lw) for lw in tree["layers"]),

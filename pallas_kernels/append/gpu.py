@@ -10,11 +10,11 @@ place (every array aliased to its input):
     when the new token completes a key group (t + 1 a multiple of G), the group's G keys
       (G - 1 from the ring, the new one) quantized per channel: codes, scales, zero points.
 
-The arithmetic is `kivi_jax.quantization.quantize`'s, step by step, so that the state stays
-bit-identical to prefill's: min and max (exact), scale = round_up((hi - lo) * (1 / levels))
-(XLA turns the division by the constant into this product), codes = round((x - z) / s), a
-division, as XLA's on a GPU (div.full). XLA on the CPU multiplies by 1 / s instead, and does so
-in this kernel's interpreted body too, so interpreted it matches the CPU's XLA append.
+The arithmetic is `kivi_jax.quantization.quantize`'s (its scale_and_zero and codes_of), so that
+the state stays bit-identical to prefill's, non-finite groups included: min and max (exact),
+scale = round_up((hi - lo) * (1 / levels)), codes = round((x - z) / s), a division, as XLA's
+on a GPU (div.full). XLA on the CPU multiplies by 1 / s instead, and does so in this kernel's
+interpreted body too, so interpreted it matches the CPU's XLA append.
 Rows with count 0 (inactive or full) write nothing. Plain KIVI only (no mixed state), 2/4-bit
 codes, power-of-two head_dim, G and R (`kivi_jax.cache._append_kernel_supports`).
 """
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kivi_jax.quantization import as_float32, round_up_to_dtype
+from kivi_jax.quantization import codes_of, is_finite, scale_and_zero
 
 
 def _round_half_even(y):
@@ -39,14 +39,16 @@ def _round_half_even(y):
     return jnp.where((d > 0.5) | ((d == 0.5) & odd), r + 1, r)
 
 
-def _quantize(x, lo, hi, bits, dtype):
-    """codes (uint8), scale, zero of x (float32) against its group's lo, hi (broadcastable)."""
-    levels = (1 << bits) - 1
-    zero = lo.astype(dtype)
-    scale = round_up_to_dtype((hi - lo) * jnp.float32(1.0 / levels), dtype)
-    s = as_float32(scale)
-    q = _round_half_even((x - as_float32(zero)) / jnp.where(s == 0, 1.0, s))
-    return jnp.clip(q, 0, levels).astype(jnp.uint8), scale, zero
+def _quantize(x, axes, bits, dtype):
+    """codes (uint8), scale, zero (kept dims) of x (float32), one group over the two `axes`:
+    `kivi_jax.quantization.quantize`'s arithmetic, non-finite groups included."""
+
+    def reduce(f, y):
+        return f(f(y, axis=axes[0], keepdims=True), axis=axes[1], keepdims=True)
+
+    finite = reduce(jnp.min, jnp.where(is_finite(x), 1.0, 0.0)) > 0
+    scale, zero = scale_and_zero(reduce(jnp.min, x), reduce(jnp.max, x), finite, bits, dtype)
+    return codes_of(x, scale, zero, finite, bits, _round_half_even), scale, zero
 
 
 def _pack(codes, bits: int, axis: int):
@@ -77,9 +79,7 @@ def _append_kernel(
     @pl.when((n > 0) & (t >= R))
     def _value_leaves():  # token t - R: its slot, before the new value takes it
         x = vr_in[slot].astype(jnp.float32)  # [D // G, G // vpb, vpb]
-        lo = jnp.min(jnp.min(x, axis=2, keepdims=True), axis=1, keepdims=True)
-        hi = jnp.max(jnp.max(x, axis=2, keepdims=True), axis=1, keepdims=True)
-        codes, scale, zero = _quantize(x, lo, hi, v_bits, dtype)
+        codes, scale, zero = _quantize(x, (2, 1), v_bits, dtype)
         vc_ref[t - R] = _pack(codes, v_bits, axis=2)  # [D // G, G // vpb]
         vs_ref[t - R] = scale[:, 0, 0]
         vz_ref[t - R] = zero[:, 0, 0]
@@ -92,9 +92,7 @@ def _append_kernel(
         subs = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
         last = (rows == G // kpb - 1) & (subs == kpb - 1)
         w = jnp.where(last, k_ref[...].astype(jnp.float32)[None, None, :], w)
-        lo = jnp.min(jnp.min(w, axis=1, keepdims=True), axis=0, keepdims=True)
-        hi = jnp.max(jnp.max(w, axis=1, keepdims=True), axis=0, keepdims=True)
-        codes, scale, zero = _quantize(w, lo, hi, k_bits, dtype)
+        codes, scale, zero = _quantize(w, (1, 0), k_bits, dtype)
         kc_ref[pl.ds(g0 // kpb, G // kpb)] = _pack(codes, k_bits, axis=1)  # [G // kpb, D]
         ks_ref[g0 // G] = scale[0, 0]
         kz_ref[g0 // G] = zero[0, 0]
