@@ -45,6 +45,7 @@ from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
 from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
+from kivi_jax.weights import QuantizedWeight, quantize_weights
 
 try:
     __version__ = _version("kivi-jax")  # the installed distribution's, set in pyproject.toml
@@ -67,6 +68,7 @@ __all__ = [
     "MixedState",
     "Model",
     "ModelLoadError",
+    "QuantizedWeight",
     "Selection",
     "TokenStream",
     "Tokenizer",
@@ -85,6 +87,7 @@ __all__ = [
     "memory_report",
     "pack_codes",
     "prefill",
+    "quantize_weights",
     "save_model",
     "unpack_codes",
 ]

@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from kivi_jax.weights import add_weights_argument
+
 KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
@@ -86,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         help="parameter and cache dtype; auto: float32 on CPU (XLA's CPU bfloat16 matmuls are "
         "several times slower), bfloat16 on accelerators (default: auto)",
     )
+    add_weights_argument(p)
     return p
 
 
@@ -123,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from kivi_jax.loading import ModelLoadError, load_model
+    from kivi_jax.weights import weights_label
 
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     try:
-        model = load_model(args.model, dtype=getattr(jnp, dtype), progress=_Progress(err))
-    except ModelLoadError as e:
+        model = load_model(
+            args.model, dtype=getattr(jnp, dtype), progress=_Progress(err), weights=args.weights
+        )
+    except (ModelLoadError, ValueError, TypeError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")
         return 2
     load_s = time.perf_counter() - t0
@@ -138,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     err.write(
         f"\r{' ' * 60}\rloaded {model.source} in {load_s:.1f}s: "
         f"{c.num_layers} layers, {c.num_heads} query / "
-        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}\n"
+        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}, "
+        f"{weights_label(model.params)} weights\n"
     )
     tok = model.tokenizer
     try:

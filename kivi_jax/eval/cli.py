@@ -1,7 +1,7 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
     kivi-eval ppl|passkey|errors|ablate|mix|all [--out DIR] [--quick] [--text FILE]
-              [--check-text FILE ...] [--model PATH]
+              [--check-text FILE ...] [--model PATH] [--weights float|int8|int4|gguf]
     kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
@@ -16,6 +16,8 @@ import pathlib
 import platform
 import sys
 import time
+
+from kivi_jax.weights import add_weights_argument
 
 STUDIES = ("ppl", "passkey", "errors", "ablate", "mix")
 
@@ -103,6 +105,7 @@ def parse_args(argv):
         "(default GFDL-1.3)",
     )  # fmt: skip
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
+    add_weights_argument(p)
     p.add_argument(
         "--passkey-lengths", type=_positive_int, nargs="+", default=None,
         help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
@@ -127,11 +130,7 @@ def run(args, log) -> list[pathlib.Path]:
     for text in [args.text, *(args.check_text or [])]:
         if text is not None and not pathlib.Path(text).is_file():
             raise FileNotFoundError(f"prose file not found: {text}")
-    model = (
-        kivi_jax.load_model(args.model, dtype=jnp.float32)
-        if args.model
-        else (kivi_jax.load_model(dtype=jnp.float32))
-    )
+    model = kivi_jax.load_model(args.model, dtype=jnp.float32, weights=args.weights)
     params, tok = model.params, model.tokenizer
     if "passkey" in studies_to_run:  # before any study runs
         studies.check_passkey_lengths(
@@ -142,7 +141,7 @@ def run(args, log) -> list[pathlib.Path]:
     out = pathlib.Path(args.out)
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
-        f"float32 on {platform.machine()} CPU"
+        f"{args.weights} weights, float32 on {platform.machine()} CPU"
     )
     written = []
     for study in studies_to_run:
