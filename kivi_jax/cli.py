@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         model = load_model(
-            args.model, dtype=getattr(jnp, dtype), progress=_Progress(err), weights=args.weights
+            args.model,
+            dtype=getattr(jnp, dtype),
+            progress=_Progress(err),
+            weights=args.weights,
+            weight_group_size=args.weight_group_size,
         )
     except (ModelLoadError, ValueError, TypeError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")

@@ -190,12 +190,21 @@ def weights_label(params) -> str:
 
 
 def add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    """`--weights float|int8|int4|gguf` (pass `args.weights` to `load_model(weights=...)`)."""
+    """`--weights float|int8|int4|gguf` and `--weight-group-size N`: pass them on as
+    `load_model(..., weights=args.weights, weight_group_size=args.weight_group_size)`."""
     parser.add_argument(
         "--weights",
         choices=WEIGHT_CHOICES,
         default="float",
         help="linear-layer weights: float (the compute dtype), int8 (per output channel), int4 "
-        "(groups of up to 128 inputs, with a zero point), or gguf (a GGUF file's Q8_0/Q4_0/Q4_1 "
-        "tensors kept as stored) (default: float)",
+        "(groups of --weight-group-size inputs, with a zero point), or gguf (a GGUF file's "
+        "Q8_0/Q4_0/Q4_1 tensors kept as stored) (default: float)",
+    )
+    parser.add_argument(
+        "--weight-group-size",
+        type=int,
+        default=128,
+        metavar="N",
+        help="int4's group along the input: the largest divisor of each layer's input width "
+        "that is at most N (default: 128)",
     )

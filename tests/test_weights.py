@@ -82,7 +82,7 @@ def test_bad_arguments():
         quantize_matrix(w, bits=8)[1:, :]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [4])  # int8 end to end: test_generate_cli_with_int8_weights
 def test_model_on_quantized_weights(bits):
     params = tiny_params(tie_embeddings=False)
     q = quantize_weights(params, bits=bits, group_size=32)
@@ -149,6 +149,19 @@ def test_load_model_weights_errors(tmp_path):
     write_hf_dir(str(tmp_path / "hf"), tiny_params())
     with pytest.raises(ValueError, match='weights="gguf" keeps a GGUF file'):
         kivi_jax.load_model(tmp_path / "hf", weights="gguf")
+
+
+def test_generate_cli_with_int8_weights(tmp_path, capsys):
+    from kivi_jax.cli import main
+
+    path = str(tmp_path / "q.gguf")
+    write_gguf(path, tiny_params(), quant=gguf.GGMLQuantizationType.Q4_1)
+    args = ["the tent", "--model", path, "--max-new-tokens", "3", "--no-chat"]
+    assert main([*args, "--weights", "int8"]) == 0
+    assert "float32, int8 weights" in capsys.readouterr().err
+    write_hf_dir(str(tmp_path / "hf"), tiny_params())
+    assert main(["the tent", "--model", str(tmp_path / "hf"), "--weights", "gguf"]) == 2
+    assert 'weights="gguf" keeps a GGUF file' in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the decode step

@@ -130,7 +130,12 @@ def run(args, log) -> list[pathlib.Path]:
     for text in [args.text, *(args.check_text or [])]:
         if text is not None and not pathlib.Path(text).is_file():
             raise FileNotFoundError(f"prose file not found: {text}")
-    model = kivi_jax.load_model(args.model, dtype=jnp.float32, weights=args.weights)
+    model = kivi_jax.load_model(
+        args.model,
+        dtype=jnp.float32,
+        weights=args.weights,
+        weight_group_size=args.weight_group_size,
+    )
     params, tok = model.params, model.tokenizer
     if "passkey" in studies_to_run:  # before any study runs
         studies.check_passkey_lengths(
@@ -141,7 +146,9 @@ def run(args, log) -> list[pathlib.Path]:
     out = pathlib.Path(args.out)
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
-        f"{args.weights} weights, float32 on {platform.machine()} CPU"
+        f"{args.weights} weights"
+        f"{f' (groups of {args.weight_group_size})' if args.weights == 'int4' else ''}, "
+        f"float32 on {platform.machine()} CPU"
     )
     written = []
     for study in studies_to_run:

@@ -26,7 +26,7 @@ from kivi_jax.loading.hf_loader import is_hf_dir, load_hf
 from kivi_jax.loading.tokenizer import Tokenizer
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams
-from kivi_jax.weights import WEIGHT_CHOICES, quantize_weights
+from kivi_jax.weights import WEIGHT_CHOICES, group_for, quantize_weights
 
 __all__ = [
     "Model",
@@ -78,6 +78,7 @@ def load_model(
     dtype=jnp.bfloat16,
     progress=None,
     weights: str = "float",
+    weight_group_size: int = 128,
 ) -> Model:
     """Loads weights and tokenizer. See the module docstring for what `path` may be.
 
@@ -87,16 +88,18 @@ def load_model(
       progress: optional callable(str) told about each stage (the CLI prints it on stderr).
       weights: the linear layers' format (kivi_jax.weights, docs/weights.md): "float" (as
         loaded: `dtype`, or a saved model's own format); "int8" / "int4" (quantize_weights of
-        the float weights, default group size; a TypeError for a saved model already
-        quantized); "gguf" (a GGUF's Q8_0 / Q4_0 / Q4_1 tensors kept as stored, the rest
-        dequantized; a GGUF file only).
+        the float weights; a TypeError for a saved model already quantized); "gguf" (a GGUF's
+        Q8_0 / Q4_0 / Q4_1 tensors kept as stored, the rest dequantized; a GGUF file only).
+      weight_group_size: int4's group along the input (kivi_jax.quantize_weights' group_size).
 
     Raises:
-      ValueError: weights not one of those; "gguf" for a path that is not a GGUF file.
+      ValueError: weights not one of those; "gguf" for a path that is not a GGUF file;
+        weight_group_size not a positive int.
       ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
     """
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    group_for(1, weight_group_size)  # a positive int, checked before anything is read
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
@@ -120,7 +123,7 @@ def load_model(
     else:
         raise ModelLoadError(f"{path}: not a GGUF file, saved model or Hugging Face directory")
     if weights in ("int8", "int4"):
-        params = quantize_weights(params, bits=int(weights[3:]))
+        params = quantize_weights(params, bits=int(weights[3:]), group_size=weight_group_size)
     return Model(params=params, tokenizer=tokenizer, source=path)
 
 
