@@ -196,8 +196,8 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHT_CHOICES,
         default="float",
-        help="linear-layer weights: float (the compute dtype), int8 (per output channel), int4 "
-        "(groups of --weight-group-size inputs, with a zero point), or gguf (a GGUF file's "
+        help="the linear layers' weights: float (the compute dtype), int8 (per output "
+        "channel), int4 (in groups along the input, with a zero point), or gguf (a GGUF file's "
         "Q8_0/Q4_0/Q4_1 tensors kept as stored) (default: float)",
     )
     parser.add_argument(
