@@ -8,8 +8,10 @@ one per output channel), with the invariant
 
 computed in `scale.dtype`, the compute dtype. Its matmul (`dense`) dequantizes the weight into the
 dot's operand (convert, subtract, multiply, dot) and leaves the fusion to XLA: on a GPU the convert
-becomes part of the GEMM's operand fusion; on the CPU each matrix is dequantized into scratch just
-before its dot.
+is to become part of the GEMM's operand fusion (tests/test_weights.py's GPU test checks the
+compiled step); on the CPU each matrix is dequantized into scratch
+before its dot (all of a step's matrices at once under XLA's default CPU scheduler, one at a time
+under the memory-first one: docs/weights.md).
 
 Formats (`quantize_weights`):
   int8   symmetric, one scale per output channel: q = round(w / s), s = max|w| / 127 per column.
