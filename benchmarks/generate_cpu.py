@@ -118,7 +118,8 @@ def markdown(result: dict) -> str:
         f"# Generation on CPU: {result['model']}",
         "",
         f"{h['cpu']}, {h['cores']} cores, jax {h['jax']} ({h['backend']}); measured read "
-        f"bandwidth {h['bandwidth_gb_s']} GB/s (XLA sum over 1 GiB). Batch 1, "
+        f"bandwidth {h['bandwidth_gb_s']} GB/s in the latest run (XLA sum over 1 GiB; a row of "
+        "an earlier run keeps its own, in the JSON, and its % below is of that). Batch 1, "
         f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} greedy tokens.",
         "",
         "| dtype, weights | load GGUF (s) | re-load saved (orbax, s) |",
