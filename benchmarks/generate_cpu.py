@@ -1,12 +1,18 @@
 """End-to-end generation speed of the default model on this machine's CPU, full vs KIVI caches.
 
-For each parameter dtype and KV cache: a 2048-token prompt (real text, no chat template), then
-64 greedy tokens without EOS stopping, through the same jitted prefill and decode step that
-`generate` fuses (kivi_jax.TokenStream, compile time kept apart). Reports load time (GGUF and the
-orbax re-load), prefill and decode tokens/s, the KV-cache bytes allocated and held, and the bytes
-a decode step reads (weights + allocated KV state) against the memory bandwidth measured here.
+For each parameter dtype, weight format (--weights: float, or kivi_jax.weights' int8 / int4
+re-quantization of the dequantized GGUF) and KV cache: a 2048-token prompt (real text, no chat
+template), then 64 greedy tokens without EOS stopping, through the same jitted prefill and
+decode step that `generate` fuses (kivi_jax.TokenStream, compile time kept apart). Reports load
+time (GGUF and the orbax re-load), prefill and decode tokens/s, the KV-cache bytes allocated and
+held, and the bytes a decode step reads (weights + allocated KV state) against the memory
+bandwidth measured here.
 
     python benchmarks/generate_cpu.py [--out benchmarks/results] [--prompt-tokens 2048]
+        [--dtypes float32,bfloat16] [--weights float,int8,int4] [--kvs full,kivi2]
+
+Rows are added to the results file: a row measured again (dtype, weights, kv) replaces the
+earlier one, each row with the bandwidth measured in its own run.
 """
 
 from __future__ import annotations
@@ -57,9 +63,9 @@ def prompt_ids(tokenizer, n: int) -> np.ndarray:
     return np.resize(np.asarray(ids, np.int32), n)  # the text repeated up to n tokens
 
 
-def time_load(dtype) -> tuple[kivi_jax.Model, dict]:
+def time_load(dtype, weights: str) -> tuple[kivi_jax.Model, dict]:
     t = time.perf_counter()
-    model = kivi_jax.load_model(dtype=dtype)
+    model = kivi_jax.load_model(dtype=dtype, weights=weights)
     jax.block_until_ready(model.params)
     gguf_s = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +77,7 @@ def time_load(dtype) -> tuple[kivi_jax.Model, dict]:
     return model, {"gguf_load_s": round(gguf_s, 2), "orbax_reload_s": round(orbax_s, 2)}
 
 
-def run(model, ids, kv: str, new_tokens: int, bandwidth: float) -> dict:
+def run(model, ids, kv: str, new_tokens: int, bandwidth: float, weights: str) -> dict:
     stream = TokenStream(model.params, ids[None], kv=kv, max_new_tokens=new_tokens)
     for _ in stream:
         pass
@@ -87,6 +93,8 @@ def run(model, ids, kv: str, new_tokens: int, bandwidth: float) -> dict:
     return {
         "kv": kv,
         "dtype": jnp.dtype(model.params.dtype).name,
+        "weights": weights,
+        "bandwidth_gb_s": round(bandwidth, 2),
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": s.generated_tokens,
         "compile_s": round(s.compile_s, 2),
@@ -110,24 +118,27 @@ def markdown(result: dict) -> str:
         f"# Generation on CPU: {result['model']}",
         "",
         f"{h['cpu']}, {h['cores']} cores, jax {h['jax']} ({h['backend']}); measured read "
-        f"bandwidth {h['bandwidth_gb_s']} GB/s (XLA sum over 1 GiB). Batch 1, "
+        f"bandwidth {h['bandwidth_gb_s']} GB/s in the latest run (XLA sum over 1 GiB; a row of "
+        "an earlier run keeps its own, in the JSON, and its % below is of that). Batch 1, "
         f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} greedy tokens.",
         "",
-        "| dtype | load GGUF (s) | re-load saved (orbax, s) |",
+        "| dtype, weights | load GGUF (s) | re-load saved (orbax, s) |",
         "|---|---|---|",
     ]
     for dtype, load in result["load"].items():
         lines.append(f"| {dtype} | {load['gguf_load_s']} | {load['orbax_reload_s']} |")
     lines += [
         "",
-        "| dtype | kv | prefill tok/s | decode tok/s | ms/token | KV MiB allocated (full: same "
-        "capacity) | KV MiB held at 2k | bits/value held | decode GB/s (% of measured) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | weights | kv | prefill tok/s | decode tok/s | ms/token | KV MiB allocated "
+        "(full: same capacity) | KV MiB held at 2k | bits/value held | decode GB/s (% of "
+        "measured) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = lambda b: f"{b / 2**20:.2f}"
     for r in result["runs"]:
         lines.append(
-            f"| {r['dtype']} | {r['kv']} | {r['prefill_tok_s']} | {r['decode_tok_s']} | "
+            f"| {r['dtype']} | {r.get('weights', 'float')} | {r['kv']} | {r['prefill_tok_s']} "
+            f"| {r['decode_tok_s']} | "
             f"{r['decode_ms_per_token']} | {mib(r['kv_bytes_allocated'])} "
             f"({mib(r['kv_bytes_full_precision_same_capacity'])}) | "
             f"{mib(r['kv_bytes_held_at_prompt'])} | {r['kv_bits_per_value_held']} | "
@@ -139,7 +150,10 @@ def markdown(result: dict) -> str:
         lines.append(f"- {name}: {speeds}")
     lines += [
         "",
-        "Decode GB/s counts the weights plus the whole allocated KV state once per token. "
+        "Decode GB/s counts the weights (int4 as half a byte) plus the whole allocated KV "
+        "state once per token. With int8 / int4 weights XLA's CPU backend dequantizes each "
+        "matrix into float32 scratch every step (it does not fuse converts into dots; "
+        "docs/weights.md), so on CPU they save memory, not time. "
         "KIVI decode attention here is the plain-jnp reference (it dequantizes the state to "
         "float32 every step), so on CPU KIVI saves memory, not time; the fused Pallas kernels "
         "target GPUs. XLA's CPU bfloat16 matmuls are slower than float32 ones, hence the "
@@ -156,6 +170,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kvs", default="full,kivi2")
+    parser.add_argument("--weights", default="float", help="comma-separated: float,int8,int4")
     args = parser.parse_args()
 
     bandwidth = measured_bandwidth_gb_s()
@@ -175,15 +190,24 @@ def main():
         "baselines": BASELINES,
     }
     for dtype in args.dtypes.split(","):
-        model, load = time_load(getattr(jnp, dtype))
-        result["load"][dtype] = load
-        print(dtype, load, flush=True)
-        ids = prompt_ids(model.tokenizer, args.prompt_tokens)
-        for kv in args.kvs.split(","):
-            r = run(model, ids, kv, args.new_tokens, bandwidth)
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
-        del model
+        for weights in args.weights.split(","):
+            model, load = time_load(getattr(jnp, dtype), weights)
+            result["load"][dtype if weights == "float" else f"{dtype}, {weights}"] = load
+            print(dtype, weights, load, flush=True)
+            ids = prompt_ids(model.tokenizer, args.prompt_tokens)
+            for kv in args.kvs.split(","):
+                r = run(model, ids, kv, args.new_tokens, bandwidth, weights)
+                result["runs"].append(r)
+                print(json.dumps(r), flush=True)
+            del model
+    earlier = args.out / "generate_cpu.json"
+    if earlier.exists():  # rows not measured again stay
+        before = json.loads(earlier.read_text())
+        key = lambda r: (r["dtype"], r.get("weights", "float"), r["kv"])
+        measured = {key(r) for r in result["runs"]}
+        kept = [r for r in before["runs"] if key(r) not in measured]
+        result["runs"] = sorted(kept + result["runs"], key=key)
+        result["load"] = before["load"] | result["load"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generate_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "generate_cpu.md").write_text(markdown(result))

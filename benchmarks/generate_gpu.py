@@ -1,5 +1,6 @@
-"""End-to-end decode on one GPU: the project's own `generate` on random bf16 weights of the
-Llama-2-7B and Llama-3-8B shapes, with the full-precision, KIVI-2 and KIVI-4 caches.
+"""End-to-end decode on one GPU: the project's own `generate` on random weights of the
+Llama-2-7B, Llama-3-8B and Llama-3-70B shapes, with the full-precision, KIVI-2 and KIVI-4 caches,
+and bf16 weights or int8 / int4 ones (kivi_jax.weights; `--weights`, or a row's fifth field).
 
 Each row runs in a process of its own (so that its peak memory is its own). Per row: the decode
 step in GPU time (a CUPTI trace of generate's decode program, prefill apart, divided by its
@@ -19,10 +20,13 @@ and cache (or, with `--batches`, tries the batches given for a cache), and `merg
 searches to generate_gpu.json (`max_batch`), the markdown table and generate_gpu_max_batch.png
 (tokens/s against batch; memory split into weights, cache and working memory). `group`
 measures the read bandwidth, then runs each row
-(`model:kv:batch:prompt+new`, e.g. `Llama-2-7B:kivi2:16:2048+128`; default: DEFAULT_ROWS) as
+(`model:kv:batch:prompt+new[:weights]`, e.g. `Llama-2-7B:kivi2:16:2048+128` or
+`Llama-3-8B:kivi2:16:2048+128:int4`; default: DEFAULT_ROWS) as
 `generate_gpu.py row ...` in a subprocess and writes DIR/row_*.json; `merge` writes
 generate_gpu.json, generate_gpu.md and generate_gpu.png (ratios only between rows of the same
-call; a row measured again, in a later DIR, replaces the earlier one).
+call and weights; a row measured again, in a later DIR, replaces the earlier one). Every row and
+search carries `weights` ("bf16", "int8" or "int4"): rows and searches are told apart by it, and
+"vs full" compares rows of the same weights.
 
 `group --tensor-parallel N` runs the rows on a mesh of N devices (kivi_jax.sharding: the
 weights and the KV state in their shards, generate's programs under shard_map; N = 1 is a
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -63,6 +68,7 @@ from kivi_jax.generate import (
     generate,
     resolve_kv,
 )
+from kivi_jax.weights import QuantizedWeight, group_for, storage_bits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import gpu_kernels, kernel_totals, measure_read_bandwidth, split_runs
@@ -75,6 +81,10 @@ MODELS = {
     "Llama-3-8B": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_embeddings=False,
+    ),
+    "Llama-3-70B": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_embeddings=False,
     ),
     # A CPU check of this script (--rows smoke:kivi2:2:40+8): host time, no GPU trace.
     "smoke": dict(
@@ -91,6 +101,10 @@ DEFAULT_ROWS = [
 ]
 
 
+WEIGHTS = ("bf16", "int8", "int4")  # bf16, or kivi_jax.weights' int8 / int4 (group 128)
+ROW_KEY = ("model", "kv", "batch", "prompt", "new_tokens", "weights")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     model: str
@@ -98,18 +112,25 @@ class Row:
     batch: int
     prompt: int
     new_tokens: int
+    weights: str = "bf16"
 
     @classmethod
-    def parse(cls, spec: str) -> Row:
-        model, kv, batch, setting = spec.split(":")
+    def parse(cls, spec: str, weights: str = "bf16") -> Row:
+        """`model:kv:batch:prompt+new[:weights]`; `weights` where the spec names none."""
+        model, kv, batch, setting, *named = spec.split(":")
         prompt, new = setting.split("+")
-        if model not in MODELS or kv not in KV_PRESETS:
-            raise ValueError(f"bad row {spec!r}: model in {list(MODELS)}, kv in {KV_PRESETS}")
-        return cls(model, kv, int(batch), int(prompt), int(new))
+        weights = named[0] if named else weights
+        if model not in MODELS or kv not in KV_PRESETS or weights not in WEIGHTS or len(named) > 1:
+            raise ValueError(
+                f"bad row {spec!r}: model in {list(MODELS)}, kv in {KV_PRESETS}, weights in "
+                f"{WEIGHTS}"
+            )
+        return cls(model, kv, int(batch), int(prompt), int(new), weights)
 
     @property
     def spec(self) -> str:
-        return f"{self.model}:{self.kv}:{self.batch}:{self.prompt}+{self.new_tokens}"
+        spec = f"{self.model}:{self.kv}:{self.batch}:{self.prompt}+{self.new_tokens}"
+        return spec if self.weights == "bf16" else f"{spec}:{self.weights}"
 
     @property
     def config(self) -> LlamaConfig:
@@ -117,8 +138,13 @@ class Row:
         return LlamaConfig(**MODELS[self.model], max_context=width + self.new_tokens)
 
 
+def _bytes(tree) -> int:
+    """Bytes of a tree's arrays in device memory (an int4 element is half a byte)."""
+    return sum(x.size * storage_bits(x) for x in jax.tree.leaves(tree)) // 8
+
+
 def weight_bytes(params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return _bytes(params)
 
 
 def kv_split(report) -> dict:
@@ -134,9 +160,8 @@ def kv_split(report) -> dict:
 def weight_bytes_read(params) -> int:
     """Bytes of weights a decode step reads: every layer, the final norm, the output projection
     (the embeddings only for the rows' tokens, but whole where they are the output too)."""
-    size = lambda xs: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(xs))
     out = params.embed if params.lm_head is None else params.lm_head
-    return size(params.layers) + size(params.final_norm) + size(out)
+    return _bytes(params.layers) + _bytes(params.final_norm) + _bytes(out)
 
 
 def cache_bytes_read(row: Row, length: int) -> int:
@@ -185,25 +210,61 @@ class _LogLines(logging.Handler):
             self.lines.append(line)
 
 
-def random_params(config: LlamaConfig, key) -> object:
-    """Random bf16 weights of the config's shapes (matrices normal / sqrt(fan_in), norms 1),
-    made on the device one array at a time: one small program per distinct shape (a jit of
-    the whole init_params compiles for minutes at 7B)."""
+_LINEAR = ("w_qkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
+def random_params(config: LlamaConfig, key, weights: str = "bf16") -> object:
+    """Random weights of the config's shapes (matrices ~ normal / sqrt(fan_in), norms 1), made
+    on the device one array at a time: one small program per distinct shape (a jit of the whole
+    init_params compiles for minutes at 7B). With int8 / int4 the linear layers are made as
+    QuantizedWeights directly, in kivi_jax.weights' formats (int8: a scale per output channel;
+    int4: groups of up to 128 inputs with a zero point), never as bf16 first (a 70B's bf16
+    weights do not fit the card)."""
     abstract = jax.eval_shape(lambda: init_params(config, key, jnp.bfloat16))
-    leaves, treedef = jax.tree.flatten(abstract)
     normal = jax.jit(
         lambda k, scale, shape: (jax.random.normal(k, shape, jnp.float32) * scale).astype(
             jnp.bfloat16
         ),
         static_argnums=2,
     )
-    arrays = [
-        normal(jax.random.fold_in(key, i), 1.0 / np.sqrt(x.shape[0]), x.shape)
-        if x.ndim == 2
-        else jnp.ones(x.shape, jnp.bfloat16)
-        for i, x in enumerate(leaves)
-    ]
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def quantized(k, shape, bits) -> QuantizedWeight:
+        n_in, n_out = shape
+        if bits == 8:  # q uniform in [-127, 127]: std 73.6
+            q = jax.random.randint(k, shape, -127, 128, jnp.int8)
+            scale = jnp.full((1, n_out), 1 / (73.6 * np.sqrt(n_in)), jnp.bfloat16)
+            return QuantizedWeight(qvalue=q, scale=scale)
+        groups = n_in // group_for(n_in, 128)  # q uniform in [-8, 7] about zero -0.5: std 4.6
+        q = jax.random.randint(k, shape, -8, 8, jnp.int32).astype(jnp.int4)
+        scale = jnp.full((groups, n_out), 1 / (4.6 * np.sqrt(n_in)), jnp.bfloat16)
+        return QuantizedWeight(qvalue=q, scale=scale, zero_point=jnp.full_like(scale, -0.5))
+
+    def make(i, path, x):
+        k = jax.random.fold_in(key, i)
+        if weights != "bf16" and getattr(path[-1], "name", None) in _LINEAR:
+            return quantized(k, x.shape, int(weights[3:]))
+        if x.ndim == 2:
+            return normal(k, 1.0 / np.sqrt(x.shape[0]), x.shape)
+        return jnp.ones(x.shape, jnp.bfloat16)
+
+    leaves, treedef = jax.tree.flatten_with_path(abstract)
+    arrays = [make(i, path, x) for i, (path, x) in enumerate(leaves)]
     return jax.block_until_ready(jax.tree.unflatten(treedef, arrays))
+
+
+def abstract_params(config: LlamaConfig, weights: str):
+    """random_params' shapes and dtypes (nothing allocated)."""
+    if weights == "bf16":
+        return jax.eval_shape(lambda: init_params(config, jax.random.key(0), jnp.bfloat16))
+    # the quantized matrices from init_params' float ones, abstractly
+    from kivi_jax.weights import quantize_weights
+
+    return jax.eval_shape(
+        lambda: quantize_weights(
+            init_params(config, jax.random.key(0), jnp.bfloat16), bits=int(weights[3:])
+        )
+    )
 
 
 def _log(what: str, t0: float) -> None:
@@ -216,7 +277,7 @@ def run_row(
     c = row.config
     counter = CompileCounter()
     t_row = t0 = time.perf_counter()
-    params = random_params(c, jax.random.key(0))
+    params = random_params(c, jax.random.key(0), row.weights)
     mesh = None
     if tensor_parallel is not None:
         mesh = sharding.tensor_parallel_mesh(tensor_parallel)
@@ -316,6 +377,7 @@ def run_row(
         "batch": row.batch,
         "prompt": row.prompt,
         "new_tokens": row.new_tokens,
+        "weights": row.weights,
         "call": call,
         "tensor_parallel": tensor_parallel,
         "timing": timing,
@@ -446,15 +508,15 @@ def group(args) -> None:
         if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
             print(f"deadline: {spec} not run", flush=True)
             continue
+        spec = Row.parse(spec, args.weights).spec
         run_subprocess(spec, args.out / _file(spec), env=env, described=described, args=args)
 
 
 def predicted_max_batch(row: Row, budget_gb: float) -> int:
     """The largest batch whose weights and KV state fit 92% of the budget (the rest for the
     prefill's working memory, generate.PREFILL_MEMORY_SHARE, and the decode step's)."""
-    c = row.config
-    params = jax.eval_shape(lambda: init_params(c, jax.random.key(0), jnp.bfloat16))
-    one = Row(row.model, row.kv, 1, row.prompt, row.new_tokens)
+    params = abstract_params(row.config, row.weights)
+    one = dataclasses.replace(row, batch=1)
     per_row = kivi_jax.memory_report(cache_of(one, params)).total_bytes
     return max(1, int((0.92 * budget_gb * 1e9 - weight_bytes(params)) // per_row))
 
@@ -474,7 +536,7 @@ def max_batch(args) -> None:
         for b in args.budgets
     ):  # fmt: skip
         budget_gb = card_gb * 0.95 if budget == "card" else float(budget)
-        spec = f"{model}:{kv}:1:{setting}"
+        spec = Row.parse(f"{model}:{kv}:1:{setting}", args.weights).spec
         given = list(args.batches.get(kv, []))
         batch = given.pop(0) if given else predicted_max_batch(Row.parse(spec), budget_gb)
         env_b = dict(env)
@@ -486,7 +548,7 @@ def max_batch(args) -> None:
             if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
                 print(f"deadline: {spec} at {budget} GB not finished", flush=True)
                 break
-            spec_b = f"{model}:{kv}:{batch}:{setting}"
+            spec_b = dataclasses.replace(Row.parse(spec), batch=batch).spec
             path = args.out / _file(f"{spec_b}:{budget}", prefix="try")
             r = run_subprocess(spec_b, path, env=env_b, described=described, args=args)
             r["budget_gb"] = budget_gb
@@ -512,7 +574,8 @@ def max_batch(args) -> None:
         failed = min((b for b in errors if best is None or b > best), default=None)
         tried = sorted([*ran, *errors])
         entry = dict(model=model, kv=kv, budget_gb=budget_gb, prompt=Row.parse(spec).prompt,
-                     new_tokens=Row.parse(spec).new_tokens, batch=best, failed_batch=failed,
+                     new_tokens=Row.parse(spec).new_tokens, weights=args.weights,
+                     batch=best, failed_batch=failed,
                      call=args.call, tried=tried, failed_error=errors.get(failed))  # fmt: skip
         if best is not None:
             r = ran[best]
@@ -542,11 +605,13 @@ def merge(args) -> None:
         tries += [json.loads(p.read_text()) for p in sorted(d.glob("try_*.json"))]
     if not rows and not searches:
         sys.exit("no rows")
+    for r in [*rows, *searches, *tries]:  # files written before rows carried their weights
+        r.setdefault("weights", "bf16")
     # A row measured again replaces its earlier measurement (the arguments in order); a failed
     # row stays only where no measurement of it ran.
     latest = {}
     for r in rows:
-        key = tuple(r[k] for k in ("model", "kv", "batch", "prompt", "new_tokens"))
+        key = tuple(r[k] for k in ROW_KEY)
         if "step_ms" in r or "step_ms" not in latest.get(key, {}):
             latest[key] = r
     rows = list(latest.values())
@@ -555,7 +620,9 @@ def merge(args) -> None:
     # Where the later search found no failing batch, a failure of the earlier one above its
     # largest batch stays its failed batch (whether a batch fits the budget does not depend on
     # the unit's speed), named with the call that tried it (`failed_call`), with that try.
-    search_key = lambda m, budget: (m["model"], m["kv"], budget, m["prompt"], m["new_tokens"])
+    search_key = lambda m, budget: (
+        m["model"], m["kv"], budget, m["prompt"], m["new_tokens"], m["weights"]
+    )  # fmt: skip
     searched = {}
     for m in searches:
         before = searched.get(key := search_key(m, m["budget_gb"]))
@@ -592,9 +659,12 @@ def merge(args) -> None:
         "versions": first["versions"],
         "calls": calls,
         "rows": sorted(
-            rows, key=lambda r: (r["model"], -r["prompt"], r["batch"], r["kv"], r["call"])
+            rows,
+            key=lambda r: (r["model"], -r["prompt"], r["batch"], r["weights"], r["kv"], r["call"]),
         ),
-        "max_batch": sorted(searches, key=lambda r: (r["model"], -r["prompt"], r["budget_gb"])),
+        "max_batch": sorted(
+            searches, key=lambda r: (r["model"], -r["prompt"], r["weights"], r["budget_gb"])
+        ),
         "max_batch_tries": tries,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -608,26 +678,34 @@ def merge(args) -> None:
 
 
 def _full_of(result, r):
-    """The full-cache row measured with r in the same call, or None."""
+    """The full-cache row measured with r in the same call, with the same weights, or None."""
     for f in result["rows"]:
-        same = all(f[k] == r[k] for k in ("model", "batch", "prompt", "new_tokens", "call"))
+        same = all(
+            f[k] == r[k] for k in ("model", "batch", "prompt", "new_tokens", "weights", "call")
+        )
         if same and f["kv"] == "full" and "step_ms" in f:
             return f
     return None
 
 
-def step_split(kernels: dict) -> dict[str, float]:
+def step_split(kernels: dict, weights: str = "bf16") -> dict[str, float]:
     """ms per step of a row's kernels by kind: matmuls (XLA's Triton gemm fusions, cuBLAS),
-    attention (the KIVI score and value kernels, cuDNN) and other (the append kernel among it)."""
+    attention (the KIVI score and value kernels, cuDNN) and other (the append kernel among it).
+    With quantized weights, a separate dequantization kernel (one XLA did not fuse into the
+    GEMM: a non-GEMM kernel whose name holds "convert") counts with the matmuls, and is also
+    given alone as `dequant` (an upper bound: a norm's convert fusion would count too)."""
+    gemm = lambda n: any(k in n for k in ("gemm", "nvjet", "cublas", "splitK"))
     kind = lambda n: (
-        "matmuls" if any(k in n for k in ("gemm", "nvjet", "cublas", "splitK"))
+        "matmuls" if gemm(n)
+        else "dequant" if weights != "bf16" and "convert" in n
         else "attention"
         if n.startswith(("kivi_scores", "kivi_values")) or "cudnn" in n or "sdpa" in n
         else "other"
     )  # fmt: skip
-    out = dict(matmuls=0.0, attention=0.0, other=0.0)
+    out = dict(matmuls=0.0, dequant=0.0, attention=0.0, other=0.0)
     for name, v in kernels.items():
         out[kind(name)] += v["ms"]
+    out["matmuls"] += out["dequant"]
     return out
 
 
@@ -635,18 +713,23 @@ def write_markdown(result: dict, path: Path) -> None:
     lines = [
         "# End-to-end decode (`benchmarks/generate_gpu.py`)",
         "",
-        f"{result['device']}, jax {result['versions']['jax']}; random bf16 weights; greedy; "
+        f"{result['device']}, jax {result['versions']['jax']}; random weights (bf16, or int8 "
+        "per output channel / int4 in groups of 128 with a zero point: kivi_jax.weights); greedy; "
         "decode step = GPU time of generate's decode program / its steps (prefill apart). "
         "Floor: weights read + cache bytes the attention must read at the mean decode context, "
         "over the read bandwidth measured in the same call. `vs full`: decode tokens/s "
-        "against the full cache's row of the same call.",
+        "against the full cache's row of the same call and weights. Weights count in the floor "
+        "at their stored bits (int4: half a byte), scales and zero points included.",
         "",
-        "| model | kv | batch | prompt + new | step ms | floor ms | % of floor | tokens/s "
-        "| vs full | peak GB | compile s | programs | recompiled | call |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | weights | kv | batch | prompt + new | step ms | floor ms | % of floor "
+        "| tokens/s | vs full | peak GB | compile s | programs | recompiled | call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        head = f"| {r['model']} | {r['kv']} | {r['batch']} | {r['prompt']} + {r['new_tokens']} "
+        head = (
+            f"| {r['model']} | {r['weights']} | {r['kv']} | {r['batch']} "
+            f"| {r['prompt']} + {r['new_tokens']} "
+        )
         if "error" in r:
             lines.append(head + f"| failed: {r['error'][:80]} |" + " |" * 9)
             continue
@@ -661,20 +744,22 @@ def write_markdown(result: dict, path: Path) -> None:
         "",
         "Where a step's time goes (GPU kernels of one decode step, ms, summed: the weights' "
         "matmuls, the attention kernels, everything else: the cache appends, norms, RoPE, "
-        "sampling; `idle` = span minus busy, negative where kernels overlap):",
+        "sampling; `idle` = span minus busy, negative where kernels overlap; with quantized "
+        "weights the matmuls include any separate dequantization kernel, also shown alone):",
         "",
-        "| model | kv | batch | prompt + new | matmuls | attention | other | idle | kernels "
-        "| call |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | weights | kv | batch | prompt + new | matmuls | of which dequant | attention "
+        "| other | idle | kernels | call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "kernels_per_step" not in r:
             continue
-        split = step_split(r["kernels_per_step"])
+        split = step_split(r["kernels_per_step"], r["weights"])
         launches = sum(v["launches"] for v in r["kernels_per_step"].values())
         lines.append(
-            f"| {r['model']} | {r['kv']} | {r['batch']} | {r['prompt']} + {r['new_tokens']} "
-            f"| {split['matmuls']:.2f} | {split['attention']:.2f} | {split['other']:.2f} "
+            f"| {r['model']} | {r['weights']} | {r['kv']} | {r['batch']} "
+            f"| {r['prompt']} + {r['new_tokens']} | {split['matmuls']:.2f} "
+            f"| {split['dequant']:.2f} | {split['attention']:.2f} | {split['other']:.2f} "
             f"| {r['idle_ms_per_step']:.2f} | {launches:.0f} | {r['call']} |"
         )
     if result.get("max_batch"):
@@ -685,9 +770,9 @@ def write_markdown(result: dict, path: Path) -> None:
             "that call failed, with the call that tried it where an earlier one did; memory "
             "of the batch that ran, GB; below the table, why the failed batch failed):",
             "",
-            "| model | kv | budget GB | prompt + new | batch | failed | tokens/s | peak | weights "
-            "| cache | working | call |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| model | weights | kv | budget GB | prompt + new | batch | failed | tokens/s | peak "
+            "| weights GB | cache | working | call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         failures = []
         for m in result["max_batch"]:
@@ -699,7 +784,8 @@ def write_markdown(result: dict, path: Path) -> None:
             if m.get("failed_call"):
                 failed = f"{failed} ({m['failed_call']})"
             lines.append(
-                f"| {m['model']} | {m['kv']} | {m['budget_gb']:.0f} | {m['prompt']} + "
+                f"| {m['model']} | {m['weights']} | {m['kv']} | {m['budget_gb']:.0f} "
+                f"| {m['prompt']} + "
                 f"{m['new_tokens']} | {m['batch'] or 'none ran'} | {failed} | "
                 f"{f('tokens_per_s', '.0f')} | {f('peak_gb')} | {f('weights_gb')} | "
                 f"{f('cache_gb')} | {f('working_gb')} | {m['call']} |"
@@ -715,7 +801,9 @@ def write_markdown(result: dict, path: Path) -> None:
             continue
         top = list(r["kernels_per_step"].items())[:8]
         parts = ", ".join(f"{n[:48]} {v['ms']:.3f} (x{v['launches']:.0f})" for n, v in top)
-        name = f"{r['model']} {r['kv']} b{r['batch']} {r['prompt']}+{r['new_tokens']}"
+        name = (
+            f"{r['model']} {r['weights']} {r['kv']} b{r['batch']} {r['prompt']}+{r['new_tokens']}"
+        )
         lines.append(f"- {name}: {parts}")
     path.write_text("\n".join(lines) + "\n")
 
@@ -753,7 +841,7 @@ def plot_max_batch(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = lambda r: (r["model"], r["kv"], r["prompt"], r["new_tokens"])
+    key = lambda r: (r["model"], r["weights"], r["kv"], r["prompt"], r["new_tokens"])
     searched = {key(m) for m in result["max_batch"]}
     fields = ("tokens_per_s", "peak_gb", "weights_gb", "kv_bytes_gb")
     tries = [t for t in result["max_batch_tries"] if all(f in t for f in fields)]
@@ -762,11 +850,13 @@ def plot_max_batch(result: dict, path: Path) -> None:
     for k, budget in sorted({(key(t), t["budget_gb"]) for t in tries}):
         pts = sorted((t["batch"], t["tokens_per_s"]) for t in tries
                      if (key(t), t["budget_gb"]) == (k, budget))  # fmt: skip
-        label = f"{k[0]} {k[1]} {k[2]}+{k[3]}, {budget:.0f} GB"
+        label = f"{k[0]} {k[1]} {k[2]} {k[3]}+{k[4]}, {budget:.0f} GB"
         ax.plot(*zip(*pts, strict=True), "o-", label=label)
     for k in sorted({key(r) for r in rows}):
         pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if key(r) == k)
-        ax.plot(*zip(*pts, strict=True), "s", mfc="none", label=f"{k[1]} {k[2]}+{k[3]}, table")
+        ax.plot(
+            *zip(*pts, strict=True), "s", mfc="none", label=f"{k[1]} {k[2]} {k[3]}+{k[4]}, table"
+        )
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # hides none
@@ -815,6 +905,7 @@ def main(argv=None) -> None:
     g.add_argument("--repeats", type=int, default=2)
     g.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N", help="mesh of N")
+    g.add_argument("--weights", choices=WEIGHTS, default="bf16", help="of rows naming none")
     mb = sub.add_parser("max-batch", help="the largest batch that fits a memory budget")
     mb.add_argument("--out", type=Path, required=True)
     mb.add_argument("--call", required=True)
@@ -832,6 +923,7 @@ def main(argv=None) -> None:
     )
     mb.add_argument("--repeats", type=int, default=1)
     mb.add_argument("--deadline-s", type=float, default=None, help="start no row after this")
+    mb.add_argument("--weights", choices=WEIGHTS, default="bf16")
     r = sub.add_parser("row", help="one row, in this process")
     r.add_argument("spec")
     r.add_argument("--read-gbps", type=float, required=True)

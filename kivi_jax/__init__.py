@@ -40,6 +40,7 @@ from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams, forward, init_params
 from kivi_jax.quantization import fake_quantize, pack_codes, unpack_codes
+from kivi_jax.weights import QuantizedWeight, quantize_weights
 
 
 def _package_version() -> str:
@@ -72,6 +73,7 @@ __all__ = [
     "MixedState",
     "Model",
     "ModelLoadError",
+    "QuantizedWeight",
     "Selection",
     "TokenStream",
     "Tokenizer",
@@ -90,6 +92,7 @@ __all__ = [
     "memory_report",
     "pack_codes",
     "prefill",
+    "quantize_weights",
     "save_model",
     "unpack_codes",
 ]

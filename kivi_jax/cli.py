@@ -11,11 +11,15 @@ import argparse
 import sys
 import time
 
+from kivi_jax.weights import add_weights_argument
+
 KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--kv, --model and --dtype, as kivi-generate and kivi-serve take them."""
+    """--kv, --model, --dtype and --weights (--weight-group-size), as kivi-generate and
+    kivi-serve take them."""
+    add_weights_argument(p)
     p.add_argument(
         "--kv",
         choices=KV_CHOICES,
@@ -58,7 +62,14 @@ def load_model_from_args(args: argparse.Namespace, progress=None, mesh=None):
     from kivi_jax.loading import load_model
 
     dtype = getattr(jnp, resolve_dtype(args.dtype))
-    return load_model(args.model, dtype=dtype, progress=progress, mesh=mesh)
+    return load_model(
+        args.model,
+        dtype=dtype,
+        progress=progress,
+        weights=args.weights,
+        weight_group_size=args.weight_group_size,
+        mesh=mesh,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from kivi_jax.loading import ModelLoadError
+    from kivi_jax.weights import weights_label
 
     mesh = None
     if args.tensor_parallel is not None:
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         model = load_model_from_args(args, progress=_Progress(err), mesh=mesh)
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, TypeError) as e:
         err.write(f"\nkivi-generate: error: {e}\n")
         return 2
     load_s = time.perf_counter() - t0
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     err.write(
         f"\r{' ' * 60}\rloaded {model.source} in {load_s:.1f}s: "
         f"{c.num_layers} layers, {c.num_heads} query / "
-        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}"
+        f"{c.num_kv_heads} KV heads, context {c.max_context}, {dtype}, "
+        f"{weights_label(model.params)} weights"
         + ("" if mesh is None else f", split over {mesh.size} devices")
         + "\n"
     )

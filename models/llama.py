@@ -41,19 +41,21 @@ from kivi_jax.attention import decode_attention
 from kivi_jax.cache import KiviCache, init_cache
 from kivi_jax.cache import append as cache_append
 from kivi_jax.cache import prefill as cache_prefill
+from kivi_jax.weights import QuantizedWeight, concat_columns, dense, storage_bits
 
 
 @flax.struct.dataclass
 class LayerWeights:
     """One decoder block's weights (x @ w layout: [in, out]). Build it from the separate
-    projections with `from_projections`; `wq` ... `w_up` read them back (slices)."""
+    projections with `from_projections`; `wq` ... `w_up` read them back (slices). The four
+    matrices are float arrays or `QuantizedWeight`s (kivi_jax.weights); the norms are float."""
 
     attn_norm: jax.Array  # [d]
-    w_qkv: jax.Array  # [d, N*D + 2*H*D]: q, k, v projections side by side
-    wo: jax.Array  # [N*D, d]
+    w_qkv: jax.Array | QuantizedWeight  # [d, N*D + 2*H*D]: q, k, v projections side by side
+    wo: jax.Array | QuantizedWeight  # [N*D, d]
     mlp_norm: jax.Array  # [d]
-    w_gate_up: jax.Array  # [d, 2*F]: gate, up
-    w_down: jax.Array  # [F, d]
+    w_gate_up: jax.Array | QuantizedWeight  # [d, 2*F]: gate, up
+    w_down: jax.Array | QuantizedWeight  # [F, d]
 
     @classmethod
     def from_projections(
@@ -70,10 +72,10 @@ class LayerWeights:
             )
         return cls(
             attn_norm=attn_norm,
-            w_qkv=jnp.concatenate([wq, wk, wv], axis=1),
+            w_qkv=concat_columns([wq, wk, wv]),
             wo=wo,
             mlp_norm=mlp_norm,
-            w_gate_up=jnp.concatenate([w_gate, w_up], axis=1),
+            w_gate_up=concat_columns([w_gate, w_up]),
             w_down=w_down,
         )
 
@@ -112,7 +114,7 @@ class LlamaParams:
     embed: jax.Array  # [V, d]
     layers: tuple[LayerWeights, ...]  # one per decoder block
     final_norm: jax.Array  # [d]
-    lm_head: jax.Array | None  # [d, V], None when the embeddings are tied
+    lm_head: jax.Array | QuantizedWeight | None  # [d, V], None when the embeddings are tied
     config: LlamaConfig = flax.struct.field(pytree_node=False)
     # The mesh the weights are placed on (kivi_jax.sharding.shard_params: w_qkv and w_gate_up
     # then hold their columns in per-shard order), None on one device. With a mesh, prefill,
@@ -124,7 +126,10 @@ class LlamaParams:
         return self.embed.dtype
 
     def astype(self, dtype) -> LlamaParams:
-        return jax.tree.map(lambda x: x.astype(dtype), self)
+        """Every float array (norms, float weights, quantized weights' scales) cast to `dtype`;
+        quantized values keep their integer type."""
+        floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, self)
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
@@ -194,8 +199,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,io->...o", x, w)
+def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, preferred_element_type=None) -> jax.Array:
+    """x [..., i] @ w [i, o]; a quantized w is dequantized into the dot (kivi_jax.weights)."""
+    return dense(x, w, preferred_element_type)
 
 
 def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
@@ -233,7 +239,7 @@ def _logits(params: LlamaParams, h: jax.Array) -> jax.Array:
     h = rms_norm(h, params.final_norm, params.config.rms_eps)
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+    return _dense(h, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def _embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
@@ -534,7 +540,8 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
 
 
 def param_bytes(params: LlamaParams) -> int:
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    """Bytes the weights take in device memory (an int4 element is half a byte)."""
+    return int(sum(np.prod(x.shape) * storage_bits(x) for x in jax.tree.leaves(params)) // 8)
 
 
 def prefill_chunk(

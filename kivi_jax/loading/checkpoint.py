@@ -3,7 +3,9 @@
 A saved model is a directory:
   kivi_model.json   format marker, the LlamaConfig, dtype, tokenizer ids and chat template
   tokenizer.json    the tokenizer (tokenizers' own format)
-  params/           the weights as an orbax checkpoint of a nested dict of arrays
+  params/           the weights as an orbax checkpoint of a nested dict of arrays; a quantized
+                    matrix (kivi_jax.weights.QuantizedWeight) is a dict of its qvalue, scale and
+                    zero_point (absent when None)
 """
 
 from __future__ import annotations
@@ -19,13 +21,27 @@ from kivi_jax.loading.errors import ModelLoadError
 from kivi_jax.loading.tokenizer import Tokenizer
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
+from kivi_jax.weights import QuantizedWeight
 
 MARKER = "kivi_model.json"
-_FORMAT = "kivi-jax-orbax-v3"  # v3: q/k/v and gate/up as one matrix each; v2 one entry per layer
+_FORMAT = "kivi-jax-orbax-v4"  # v4: matrices may be quantized (dicts); v3 reads the same way
+_READABLE = ("kivi-jax-orbax-v3", _FORMAT)
 
 
 def is_saved_model(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _entry(w):
+    """A float array as is; a QuantizedWeight as a dict of its arrays."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    entry = {"qvalue": w.qvalue, "scale": w.scale}
+    return entry if w.zero_point is None else entry | {"zero_point": w.zero_point}
+
+
+def _weight(entry):
+    return QuantizedWeight(**entry) if isinstance(entry, dict) else entry
 
 
 def _to_tree(params: LlamaParams) -> dict:
@@ -33,12 +49,12 @@ def _to_tree(params: LlamaParams) -> dict:
         "embed": params.embed,
         "final_norm": params.final_norm,
         "layers": [
-            {f.name: getattr(lw, f.name) for f in dataclasses.fields(LayerWeights)}
+            {f.name: _entry(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)}
             for lw in params.layers
         ],
     }
     if params.lm_head is not None:
-        tree["lm_head"] = params.lm_head
+        tree["lm_head"] = _entry(params.lm_head)
     return tree
 
 
@@ -89,7 +105,7 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{directory}: unreadable {MARKER} ({e})") from e
-    if meta.get("format") != _FORMAT:
+    if meta.get("format") not in _READABLE:
         raise ModelLoadError(
             f"{directory}: saved-model format {meta.get('format')!r}, this version reads "
             f"{_FORMAT!r} (save the model again with this version's save_model)"
@@ -101,31 +117,36 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
         raise ModelLoadError(
             f"{directory}: {MARKER} has no valid config and dtype ({type(e).__name__}: {e})"
         ) from None
-    from kivi_jax.models.llama import init_params
-
-    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
-    if mesh is not None:
+    target = None  # without a mesh: the arrays as saved (shapes and dtypes from the metadata)
+    if mesh is not None:  # each array restored straight into its shards
         from kivi_jax import sharding
+        from kivi_jax.models.llama import init_params
 
         sharding.check_mesh(mesh, config)
-        abstract = sharding.restore_targets(abstract, mesh)
+        abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
+        target = _to_tree(sharding.restore_targets(abstract, mesh))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            tree = checkpointer.restore(os.path.join(directory, "params"), _to_tree(abstract))
+            tree = checkpointer.restore(os.path.join(directory, "params"), target)
+        params = LlamaParams(
+            embed=tree["embed"],
+            layers=tuple(
+                LayerWeights(**{k: _weight(v) for k, v in lw.items()}) for lw in tree["layers"]
+            ),
+            final_norm=tree["final_norm"],
+            lm_head=_weight(tree.get("lm_head")),
+            config=config,
+        )
     except Exception as e:  # TensorStore's message runs to ~60 lines: its first sentence
         first = str(e).strip().split("See full TensorStore")[0].strip().splitlines()
         first = first[0][:200] if first else type(e).__name__
         raise ModelLoadError(
             f"{directory}: cannot restore the params checkpoint, damaged or incomplete ({first})"
         ) from None
-    params = LlamaParams(
-        embed=tree["embed"],
-        layers=tuple(LayerWeights(**lw) for lw in tree["layers"]),
-        final_norm=tree["final_norm"],
-        lm_head=tree.get("lm_head"),
-        config=config,
-    )
-    validate_params(params)
+    try:
+        validate_params(params)
+    except ValueError as e:
+        raise ModelLoadError(f"{directory}: {e}") from None
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         params = params.astype(dtype)
     if mesh is not None:

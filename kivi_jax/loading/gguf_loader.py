@@ -1,4 +1,15 @@
-"""GGUF (llama.cpp) checkpoints: metadata -> LlamaConfig, tensors dequantized -> LlamaParams."""
+"""GGUF (llama.cpp) checkpoints: metadata -> LlamaConfig, tensors -> LlamaParams.
+
+Tensors are dequantized to the compute dtype, or with weights="gguf" the linear layers stored as
+Q8_0, Q4_0 or Q4_1 are kept as `QuantizedWeight`s of the same bits and blocks (32 inputs):
+  Q8_0   int8 [32] and an f16 scale d:      w = d * q        -> int8, scale d
+  Q4_0   4-bit q [32] and d:                w = d * (q - 8)  -> int4 q - 8, scale d
+  Q4_1   4-bit q [32], d and an f16 min m:  w = d * q + m    -> int4 q - 8, scale d,
+                                                                zero point -m / d - 8
+(exact up to the scale's and zero point's rounding to the compute dtype). Every other type
+(F32, F16, BF16, the K-quants, Q5_*, ...) is dequantized, and so is a fused matrix (q/k/v,
+gate/up) whose parts are not all of one kept type; embeddings and norms always are.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ from kivi_jax.loading.errors import ModelLoadError
 from kivi_jax.loading.tokenizer import tokenizer_from_gguf_fields
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
+from kivi_jax.weights import QuantizedWeight
 
 _MAGIC = b"GGUF"
 _SUPPORTED_ARCHS = ("llama",)  # SmolLM and Mistral GGUFs are written as "llama"
@@ -115,8 +127,37 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
-    """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer)."""
+def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor [out, in] as (q [out, in] int8, d [out, in / 32] float32,
+    zero [out, in / 32] float32 or None) with w = (q - zero) * d (module docstring)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+    out, n_in = (int(n) for n in reversed(tensor.shape))
+    head = 4 if kind == "Q4_1" else 2  # f16 d (and m)
+    raw = np.asarray(tensor.data).reshape(out, n_in // 32, -1)  # [out, in / 32, block bytes]
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        return raw[..., 2:].copy().view(np.int8).reshape(out, n_in), d, None
+    qs = raw[..., head:]  # [out, in / 32, 16]: element j in the low nibble, j + 16 in the high
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - 8  # [out, in / 32, 32]
+    if kind == "Q4_0":
+        return q.reshape(out, n_in), d, None
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    flat = d == 0  # every value is m: q = 0 (stored -8), d = m, zero = -1 - 8
+    q = np.where(flat[..., None], np.int8(-8), q)
+    zero = np.where(flat, -9.0, -m / np.where(flat, 1.0, d) - 8).astype(np.float32)
+    return q.reshape(out, n_in), np.where(flat, m, d), zero
+
+
+_KEPT = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: bool = False):
+    """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer).
+
+    keep_quantized: keep Q8_0 / Q4_0 / Q4_1 linear layers as QuantizedWeights (module docstring).
+    """
     if progress:
         progress("reading the GGUF file")
     fields, tensors = _read(path)
@@ -140,16 +181,40 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
         "w_up": "ffn_up.weight",
         "w_down": "ffn_down.weight",
     }
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}  # rows permuted by llama.cpp
+    fused = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+    def kept(name) -> bool:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: missing tensor {name}")
+        return keep_quantized and tensors[name].tensor_type.name in _KEPT
+
+    def stored(name, field) -> QuantizedWeight:
+        q, d, zero = _blocks(tensors[name])  # [out, in], [out, in / 32]
+        if field in heads:
+            q, d = _unpermute(q, heads[field]), _unpermute(d, heads[field])
+            zero = None if zero is None else _unpermute(zero, heads[field])
+        as_jax = lambda x, t: jnp.asarray(x.T, t)  # -> [in, out], [in / 32, out]
+        return QuantizedWeight(
+            qvalue=as_jax(q, jnp.int8 if tensors[name].tensor_type.name == "Q8_0" else jnp.int4),
+            scale=as_jax(d, dtype),
+            zero_point=None if zero is None else as_jax(zero, dtype),
+        )
+
     layers = []
     for i in range(config.num_layers):
         weights = {}
-        for field, suffix in names.items():
-            w = tensor(f"blk.{i}.{suffix}")
-            if field == "wq":
-                w = _unpermute(w, config.num_heads)
-            elif field == "wk":
-                w = _unpermute(w, config.num_kv_heads)
-            weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # linear: [in, out]
+        for group in [("attn_norm",), ("mlp_norm",), *fused]:
+            gnames = [f"blk.{i}.{names[f]}" for f in group]
+            if group in fused and all(kept(n) for n in gnames):
+                if len({tensors[n].tensor_type for n in gnames}) == 1:
+                    weights |= {f: stored(n, f) for f, n in zip(group, gnames, strict=True)}
+                    continue
+            for field, name in zip(group, gnames, strict=True):
+                w = tensor(name)
+                if field in heads:
+                    w = _unpermute(w, heads[field])
+                weights[field] = jnp.asarray(w if w.ndim == 1 else w.T, dtype)  # [in, out]
         try:
             layers.append(LayerWeights.from_projections(**weights))
         except (ValueError, TypeError) as e:
@@ -162,7 +227,11 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None):
         embed=jnp.asarray(tensor("token_embd.weight"), dtype),
         layers=tuple(layers),
         final_norm=jnp.asarray(tensor("output_norm.weight"), dtype),
-        lm_head=None if tied else jnp.asarray(tensor("output.weight").T, dtype),
+        lm_head=None
+        if tied
+        else stored("output.weight", "lm_head")
+        if kept("output.weight")
+        else jnp.asarray(tensor("output.weight").T, dtype),
         config=config,
     )
     try:
