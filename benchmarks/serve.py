@@ -1,0 +1,583 @@
+"""Serving under load: the continuous-batching engine (kivi_jax.serving.Engine) fed a bounded
+stream of requests, for each cache at the number of slots that fits one memory budget.
+
+Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation), with
+prompt and output lengths drawn uniformly from the given ranges with a fixed seed (or read from
+a JSON file of [prompt, output] pairs); the run ends when all of them have finished. Per rate:
+requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
+mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
+rate (prompt tokens/s of requests run alone) and the decode rate with every slot live, from
+which the saturation throughput is predicted (`predicted_out_tok_per_s`, the engine spending
+P/prefill + O/decode seconds per request of P prompt and O output tokens, the mean lengths);
+and, at a fixed batch with no arrivals mid-run, the engine's decode tokens/s beside `generate`'s
+on the same batch (both the wall-clock of the decode phase).
+
+    python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
+    python benchmarks/serve.py run --model default --requests 12 --rates 2 inf \\
+        --prompt-range 64 192 --output-range 16 48 --budget-gb 2 --out DIR     # the CPU
+    python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
+
+`run` measures each cache in a process of its own (its peak memory is its own) and writes
+DIR/serve_<model>_<kv>.json; `merge` writes serve.json, serve.md and serve.png (output tokens/s
+and p99 time per output token against offered load, one line per cache), a row measured again in
+a later DIR replacing the earlier one. On a GPU the models are random bf16 weights of the
+benchmark shapes (benchmarks/generate_gpu.py's MODELS); "default" is SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+KEY = ("mode", "model", "kv", "budget_gb", "rate")  # one row per key; later runs replace it
+WORKING_SHARE = 0.08  # of the budget, kept for the prefill's and the step's working memory
+
+
+def percentile(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
+
+
+def workload(n: int, rate: float, prompt_range, output_range, seed: int, lengths_file=None):
+    """[(arrival_s, prompt_len, output_len)] of n requests: Poisson arrivals at `rate` per
+    second (inf: all at 0), lengths uniform in the closed ranges or read from a file."""
+    rng = np.random.default_rng(seed)
+    if lengths_file:
+        pairs = json.loads(Path(lengths_file).read_text())[:n]
+        if len(pairs) < n:
+            raise ValueError(f"{lengths_file} holds {len(pairs)} requests, {n} asked for")
+        prompts, outputs = (np.array(x) for x in zip(*pairs, strict=True))
+    else:
+        prompts = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+        outputs = rng.integers(output_range[0], output_range[1] + 1, n)
+    gaps = np.zeros(n) if math.isinf(rate) else rng.exponential(1.0 / rate, n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
+
+
+def load(model: str, max_len: int):
+    """(params, vocab, tokenizer) of the default model, or random bf16 weights of a benchmark
+    shape (no tokenizer)."""
+    import jax
+    import jax.numpy as jnp
+    from generate_gpu import MODELS, random_params
+    from kivi_jax.models.config import LlamaConfig
+
+    import kivi_jax
+
+    if model == "default":  # float32 on the CPU, as kivi-generate's --dtype auto
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        m = kivi_jax.load_model(dtype=dtype)
+        return m.params, m.params.config.vocab_size, m.tokenizer
+    # a context past the slots' max_len: the engine pads prompts to a PROMPT_BUCKET multiple
+    config = LlamaConfig(**MODELS[model], max_context=max_len + 128)
+    return random_params(config, jax.random.key(0)), config.vocab_size, None
+
+
+def slots_for_budget(params, kv: str, *, max_len: int, budget_gb: float) -> dict:
+    """The slots whose state fits the budget beside the weights, the prefill scratch (a whole
+    prompt's full-precision K/V of every layer) and WORKING_SHARE of working memory."""
+    import jax
+
+    import kivi_jax
+    from kivi_jax.generate import resolve_kv
+
+    c = params.config
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    one = jax.eval_shape(
+        lambda: kivi_jax.init_cache(
+            resolve_kv(kv), batch=1, max_len=max_len, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, dtype=params.dtype, num_layers=c.num_layers,
+        )
+    )  # fmt: skip
+    per_slot = kivi_jax.memory_report(one).total_bytes
+    scratch = c.num_layers * 2 * max_len * c.num_kv_heads * c.head_dim * params.dtype.itemsize
+    free = (1 - WORKING_SHARE) * budget_gb * 1e9 - weights - scratch
+    if free < per_slot:
+        raise ValueError(f"{budget_gb} GB holds the weights ({weights / 1e9:.1f} GB) but no slot")
+    return dict(
+        slots=int(free // per_slot),
+        weights_gb=weights / 1e9,
+        slot_gb=per_slot / 1e9,
+        scratch_gb=scratch / 1e9,
+    )
+
+
+def peak_gb() -> float:
+    """Peak device memory (a GPU's allocator), or this process's peak resident set (the CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+class LiveSlots:
+    """Samples the engine's live slots every `every` seconds in a thread, for their mean."""
+
+    def __init__(self, engine, every: float = 0.05):
+        self.engine, self.every, self.samples = engine, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            self.samples.append(self.engine.stats().live_slots)
+
+    def mean(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return float(np.mean(self.samples)) if self.samples else 0.0
+
+
+def prompt(rng, vocab: int, n: int) -> list[int]:
+    return rng.integers(0, vocab, n).tolist()
+
+
+def run_load(engine, requests, vocab: int, seed: int, timeout_s: float) -> dict:
+    """Submits the requests at their arrival times to the running engine, waits for all of
+    them, and returns the rate's measures."""
+    from kivi_jax.generate import Sampling
+
+    rng = np.random.default_rng(seed + 1)
+    prompts = [prompt(rng, vocab, p) for _, p, _ in requests]
+    live = LiveSlots(engine)
+    handles, t0 = [], time.perf_counter()
+    for (arrival, _, out), ids in zip(requests, prompts, strict=True):
+        delay = t0 + arrival - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        handles.append(engine.submit(ids, Sampling(), max_new_tokens=out))
+    deadline = t0 + timeout_s
+    for h in handles:
+        h.result(timeout=max(1.0, deadline - time.perf_counter()))
+    done = [(h.submit_time, h.first_token_time, h.finish_time, len(h.result())) for h in handles]
+    return measures(done, t0, live.mean())
+
+
+def measures(done, t0: float, live_slots: float) -> dict:
+    """A rate's measures from each request's (sent, first token, finish, output tokens)."""
+    wall = max(f for _, _, f, _ in done) - t0
+    outs = [n for *_, n in done]
+    ttft = [(first - sent) * 1e3 for sent, first, _, _ in done]
+    tpot = [(f - first) * 1e3 / (n - 1) for _, first, f, n in done if n > 1]
+    return dict(
+        requests=len(done),
+        req_per_s=len(done) / wall,
+        out_tok_per_s=sum(outs) / wall,
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p90_ms=percentile(ttft, 90),
+        ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_p90_ms=percentile(tpot, 90),
+        tpot_p99_ms=percentile(tpot, 99),
+        mean_live_slots=live_slots,
+        wall_s=wall,
+    )
+
+
+def step_until(engine, done) -> None:
+    while not done():
+        engine.step()
+
+
+def prefill_rate(engine, vocab: int, length: int, n: int, seed: int) -> float:
+    """Prompt tokens/s of n requests of `length` tokens run one at a time (one output token:
+    the prefill and its first token)."""
+    from kivi_jax.generate import Sampling
+
+    rng = np.random.default_rng(seed + 2)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        h = engine.submit(prompt(rng, vocab, length), Sampling(), max_new_tokens=1)
+        step_until(engine, lambda h=h: h.done)
+    return n * length / (time.perf_counter() - t0)
+
+
+def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: int) -> float:
+    """Decode tokens/s of `batch` requests of `length` prompt tokens, timed from the step at
+    which all of them hold their first token to the end (the wall-clock of the decode phase)."""
+    from kivi_jax.generate import Sampling
+
+    rng = np.random.default_rng(seed + 3)
+    hs = [
+        engine.submit(prompt(rng, vocab, length), Sampling(), max_new_tokens=new)
+        for _ in range(batch)
+    ]
+    step_until(engine, lambda: all(h.first_token_time is not None for h in hs))
+    before = engine.stats().generated_tokens
+    t0 = time.perf_counter()
+    step_until(engine, lambda: all(h.done for h in hs))
+    return (engine.stats().generated_tokens - before) / (time.perf_counter() - t0)
+
+
+def generate_decode_rate(params, vocab: int, kv: str, *, batch: int, length: int, new: int,
+                         seed: int) -> float:  # fmt: skip
+    """`generate`'s decode tokens/s on the same batch: its decode program (every step after the
+    first token) timed alone, after a first call that compiles both programs."""
+    import jax
+    import jax.numpy as jnp
+
+    from kivi_jax.generate import Sampling, _decode_jit, _prepare, _program_args, _start_jit
+
+    rng = np.random.default_rng(seed + 3)
+    ids = np.asarray([prompt(rng, vocab, length) for _ in range(batch)], np.int32)
+    sampling = Sampling()
+    for _ in range(2):  # the first call compiles; the second is timed
+        tokens, lengths, cache, rows = _prepare(
+            params, ids, None, kv=kv, max_new_tokens=new, sampling=sampling
+        )
+        per_row, start_kw, decode_kw = _program_args(sampling, batch, new)
+        state = _start_jit(params, tokens, lengths, cache, per_row, **start_kw, prefill_rows=rows)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        jax.block_until_ready(_decode_jit(params, state, jnp.int32(new), **decode_kw))
+        elapsed = time.perf_counter() - t0
+    return batch * (new - 1) / elapsed
+
+
+def _row(args, mode: str, rate: float, m: dict, fit: dict, rates: dict) -> dict:
+    row = dict(mode=mode, model=args.model, kv=args.kv, budget_gb=args.budget_gb,
+               rate=rate if math.isfinite(rate) else "inf", **m, **rates, peak_gb=peak_gb(),
+               call=args.call, **fit)  # fmt: skip
+    print(f"  {mode} rate {rate}: {m['out_tok_per_s']:.0f} out tok/s, TTFT p99 "
+          f"{m['ttft_p99_ms']:.0f} ms, TPOT p99 {m['tpot_p99_ms']:.1f} ms, "
+          f"{m['mean_live_slots']:.1f} live slots", file=sys.stderr, flush=True)  # fmt: skip
+    return row
+
+
+def measure_kv(args) -> dict:
+    """Every measure of one cache (in this process). The engine runs without an EOS, so every
+    request produces its drawn number of tokens."""
+    import jax
+
+    from kivi_jax.serving import Engine
+
+    max_len = args.prompt_range[1] + args.output_range[1]
+    params, vocab, tokenizer = load(args.model, max_len)
+    if args.http and tokenizer is None:
+        raise ValueError(f"--http needs a model with a tokenizer ('default'), not {args.model}")
+    fit = slots_for_budget(params, args.kv, max_len=max_len, budget_gb=args.budget_gb)
+    if args.slots:
+        fit["slots"] = args.slots
+    slots = fit["slots"]
+    print(f"{args.model} {args.kv}: {slots} slots ({fit})", file=sys.stderr, flush=True)
+
+    def new_engine():
+        return Engine(
+            params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
+            max_queue=args.requests + slots,
+        )  # fmt: skip
+
+    engine = new_engine()
+    engine.warmup()
+    mean_p = sum(args.prompt_range) / 2
+    mean_o = sum(args.output_range) / 2
+    prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
+    decode = decode_rate(
+        engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed
+    )
+    rates = dict(
+        predicted_out_tok_per_s=mean_o / (mean_p / prefill + mean_o / decode),
+        prefill_tok_per_s=prefill,
+        decode_tok_per_s=decode,
+    )
+    print(f"  prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s at {slots} slots, "
+          f"predicted {rates['predicted_out_tok_per_s']:.0f} out tok/s", file=sys.stderr,
+          flush=True)  # fmt: skip
+    overhead = None
+    if args.overhead_batch:
+        b, length, new = args.overhead_batch, int(mean_p), int(mean_o)
+        eng = decode_rate(engine, vocab, batch=b, length=length, new=new, seed=args.seed)
+        gen = generate_decode_rate(
+            params, vocab, args.kv, batch=b, length=length, new=new, seed=args.seed
+        )
+        overhead = dict(batch=b, prompt=length, new_tokens=new, engine_decode_tok_per_s=eng,
+                        generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen)  # fmt: skip
+        print(f"  overhead at batch {b}: engine {eng:.0f}, generate {gen:.0f} tok/s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    rows = []
+    workloads = {
+        rate: workload(
+            args.requests, rate, args.prompt_range, args.output_range, args.seed, args.lengths
+        )
+        for rate in args.rates
+    }
+    with engine:
+        for rate, reqs in workloads.items():
+            m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s)
+            rows.append(_row(args, "engine", rate, m, fit, rates))
+    if args.http:  # the same loads through kivi-serve's app (a new engine: programs cached)
+        del engine
+        with HttpServer(new_engine(), tokenizer, max_len) as server:
+            for rate, reqs in workloads.items():
+                m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s)
+                rows.append(_row(args, "http", rate, m, fit, rates))
+    return dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind)
+
+
+class HttpServer:
+    """kivi-serve's app (kivi_jax.serving.server.create_app) under uvicorn in a thread, on a
+    free loopback port; `with` waits until /health answers 200 (warmup done, engine started)."""
+
+    def __init__(self, engine, tokenizer, max_len: int):
+        import socket
+
+        import uvicorn
+
+        from kivi_jax.serving.server import create_app
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.engine = engine
+        app = create_app(engine, tokenizer, model_name="bench", max_len=max_len)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import urllib.error
+        import urllib.request
+
+        self.thread.start()
+        end = time.monotonic() + 1800
+        while time.monotonic() < end:
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the server did not become healthy")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def _stream(base: str, ids: list[int], out: int, timeout_s: float) -> tuple[float, float, int]:
+    """One streamed completion: (first token time, finish time, completion tokens)."""
+    import urllib.request
+
+    body = dict(model="bench", prompt=ids, max_tokens=out, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    first, tokens = None, 0
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first, time.perf_counter(), tokens
+
+
+def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s: float) -> dict:
+    """run_load through the HTTP server: each request a streamed completion from a thread of
+    its own, sent at its arrival time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(seed + 1)
+    prompts = [prompt(rng, vocab, p) for _, p, _ in requests]
+    live = LiveSlots(server.engine)
+    t0 = time.perf_counter()
+
+    def one(i):
+        arrival, _, out = requests[i]
+        delay = t0 + arrival - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sent = time.perf_counter()
+        return (sent, *_stream(server.base, prompts[i], out, timeout_s))
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        done = list(pool.map(one, range(len(requests))))
+    return measures([(s, f, e, n) for s, f, e, n in done], t0, live.mean())
+
+
+def versions() -> dict:
+    import flax
+    import jax
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
+
+
+def _one(args, kv: str, path: Path) -> None:
+    """measure_kv in a process of its own (spawned: its device memory is its own)."""
+    args.kv = kv
+    result = measure_kv(args)
+    result["versions"] = versions()
+    path.write_text(json.dumps(result, indent=1))
+
+
+def run(args) -> None:
+    import multiprocessing
+
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # inherited by the spawned processes
+    args.out.mkdir(parents=True, exist_ok=True)
+    spawn = multiprocessing.get_context("spawn")
+    for kv in args.kvs:
+        path = args.out / f"serve_{args.model}_{kv}.json"
+        proc = spawn.Process(target=_one, args=(args, kv, path))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            print(f"{args.model} {kv}: FAILED (exit {proc.exitcode})", flush=True)
+
+
+def merge(args) -> None:
+    """serve.{json,md,png} from the runs' files, a later run's row replacing an earlier one."""
+    path = args.out / "serve.json"
+    merged = json.loads(path.read_text()) if path.exists() else {"rows": [], "overhead": []}
+    for d in args.dirs:
+        for f in sorted(Path(d).glob("serve_*.json")):
+            r = json.loads(f.read_text())
+            keys = {tuple(row[k] for k in KEY) for row in r["rows"]}
+            merged["rows"] = [x for x in merged["rows"] if tuple(x[k] for k in KEY) not in keys]
+            merged["rows"] += [dict(row, device=r["device"]) for row in r["rows"]]
+            if r.get("overhead"):
+                o = dict(r["overhead"], device=r["device"], model=r["rows"][0]["model"],
+                         kv=r["rows"][0]["kv"], call=r["rows"][0]["call"])  # fmt: skip
+                same = lambda x, o=o: (x["model"], x["kv"], x["device"]) == (
+                    o["model"], o["kv"], o["device"])  # fmt: skip
+                merged["overhead"] = [x for x in merged["overhead"] if not same(x)] + [o]
+            merged["versions"] = r["versions"]
+    rate_key = lambda x: math.inf if x["rate"] == "inf" else float(x["rate"])
+    merged["rows"].sort(key=lambda x: (x["device"], x["model"], x["kv"], rate_key(x)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1))
+    (args.out / "serve.md").write_text(markdown(merged))
+    plot(merged, args.out / "serve.png")
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Serving under load (benchmarks/serve.py)",
+        "",
+        f"Versions: {result.get('versions')}. Rows of one model and device come from one call.",
+        "",
+        "| device | mode | model | kv | slots | budget GB | rate (req/s) | requests | req/s "
+        "| out tok/s | predicted | TTFT p50 / p99 ms | TPOT p50 / p99 ms | live slots | peak GB "
+        "| call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['device']} | {r['mode']} | {r['model']} | {r['kv']} | {r['slots']} "
+            f"| {r['budget_gb']:g} | {r['rate']} | {r['requests']} | {r['req_per_s']:.2f} "
+            f"| {r['out_tok_per_s']:.0f} | {r['predicted_out_tok_per_s']:.0f} "
+            f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['mean_live_slots']:.1f} "
+            f"| {r['peak_gb']:.1f} | {r['call']} |"
+        )
+    if result.get("overhead"):
+        lines += [
+            "",
+            "The engine's own overhead: decode tokens/s at a fixed batch, no arrivals mid-run "
+            "(wall-clock of the decode phase, same process).",
+            "",
+            "| device | model | kv | batch | prompt + new | engine tok/s | generate tok/s "
+            "| engine / generate | call |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for o in result["overhead"]:
+            lines.append(
+                f"| {o['device']} | {o['model']} | {o['kv']} | {o['batch']} "
+                f"| {o['prompt']} + {o['new_tokens']} | {o['engine_decode_tok_per_s']:.0f} "
+                f"| {o['generate_decode_tok_per_s']:.0f} | {o['engine_vs_generate']:.2f} "
+                f"| {o['call']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["device"], r["model"], r["mode"]) for r in result["rows"]})
+    fig, axes = plt.subplots(2, max(len(groups), 1), figsize=(5 * max(len(groups), 1), 7),
+                             squeeze=False)  # fmt: skip
+    for j, (device, model, mode) in enumerate(groups):
+        rows = [r for r in result["rows"] if (r["device"], r["model"], r["mode"]) == (
+            device, model, mode)]  # fmt: skip
+        finite = [float(r["rate"]) for r in rows if r["rate"] != "inf"]
+        inf_at = 2 * max(finite) if finite else 1.0  # saturation drawn right of the others
+        for kv in sorted({r["kv"] for r in rows}):
+            mine = sorted((r for r in rows if r["kv"] == kv), key=lambda r: float(
+                inf_at if r["rate"] == "inf" else r["rate"]))  # fmt: skip
+            x = [inf_at if r["rate"] == "inf" else float(r["rate"]) for r in mine]
+            label = f"{kv} ({mine[0]['slots']} slots)"
+            axes[0, j].plot(x, [r["out_tok_per_s"] for r in mine], "o-", label=label)
+            axes[1, j].plot(x, [r["tpot_p99_ms"] for r in mine], "o-", label=label)
+        axes[0, j].set_title(f"{model}, {mode} ({device})", fontsize=9)
+        axes[0, j].set_ylabel("output tokens/s")
+        axes[1, j].set_ylabel("p99 time per output token (ms)")
+        axes[1, j].set_xlabel(f"offered load (requests/s; saturation at {inf_at:g})")
+        axes[0, j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rate(text: str) -> float:
+    return math.inf if text == "inf" else float(text)
+
+
+def main_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("run")
+    q.add_argument("--model", default="Llama-2-7B")
+    q.add_argument("--budget-gb", type=float, default=80.0)
+    q.add_argument("--rates", type=_rate, nargs="+", default=[1.0, 2.0, 4.0, math.inf])
+    q.add_argument("--requests", type=int, default=200)
+    q.add_argument("--prompt-range", type=int, nargs=2, default=[512, 2048])
+    q.add_argument("--output-range", type=int, nargs=2, default=[128, 512])
+    q.add_argument("--lengths", help="JSON file of [prompt, output] pairs instead")
+    q.add_argument("--prefill-chunk", type=int, default=512)
+    q.add_argument("--prefill-requests", type=int, default=4)
+    q.add_argument("--overhead-batch", type=int, default=16)
+    q.add_argument("--slots", type=int, help="instead of the budget's")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--timeout-s", type=float, default=600.0)
+    q.add_argument("--call", default="local")
+    q.add_argument("--out", type=Path, default=Path("serve-out"))
+    q.add_argument("--kvs", nargs="+", default=["full", "kivi2"])
+    q.add_argument("--http", action="store_true", help="also through kivi-serve (default model)")
+    q = sub.add_parser("merge")
+    q.add_argument("dirs", nargs="+")
+    q.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return p
+
+
+def main(argv=None) -> None:
+    args = main_parser().parse_args(argv)
+    run(args) if args.cmd == "run" else merge(args)
+
+
+if __name__ == "__main__":
+    main()
