@@ -1,9 +1,10 @@
 """Serving under load: the continuous-batching engine (kivi_jax.serving.Engine) fed a bounded
 stream of requests, for each cache at the number of slots that fits one memory budget.
 
-Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation), with
-prompt and output lengths drawn uniformly from the given ranges with a fixed seed (or read from
-a JSON file of [prompt, output] pairs); the run ends when all of them have finished. Per rate:
+Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation; "seq":
+one after another, each sent when the one before has finished), with prompt and output lengths
+drawn uniformly from the given ranges with a fixed seed (or read from a JSON file of [prompt,
+output] pairs); the run ends when all of them have finished. Per rate:
 requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
 mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
 rate (prompt tokens/s of requests run alone) and the decode rate with every slot live, from
@@ -13,8 +14,8 @@ and, at a fixed batch with no arrivals mid-run, the engine's decode tokens/s bes
 on the same batch (both the wall-clock of the decode phase).
 
     python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
-    python benchmarks/serve.py run --model default --requests 12 --rates 2 inf \\
-        --prompt-range 64 192 --output-range 16 48 --budget-gb 2 --out DIR     # the CPU
+    python benchmarks/serve.py run --model default --slots 8 --requests 8 --rates seq inf \\
+        --prompt-range 32 96 --output-range 64 64 --http --out DIR    # the CPU, through HTTP too
     python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
 
 `run` measures each cache in a process of its own (its peak memory is its own) and writes
@@ -50,7 +51,8 @@ def percentile(xs, q: float) -> float:
 
 def workload(n: int, rate: float, prompt_range, output_range, seed: int, lengths_file=None):
     """[(arrival_s, prompt_len, output_len)] of n requests: Poisson arrivals at `rate` per
-    second (inf: all at 0), lengths uniform in the closed ranges or read from a file."""
+    second (inf, and 0 for one after another: all at 0), lengths uniform in the closed ranges or
+    read from a file."""
     rng = np.random.default_rng(seed)
     if lengths_file:
         pairs = json.loads(Path(lengths_file).read_text())[:n]
@@ -60,7 +62,7 @@ def workload(n: int, rate: float, prompt_range, output_range, seed: int, lengths
     else:
         prompts = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
         outputs = rng.integers(output_range[0], output_range[1] + 1, n)
-    gaps = np.zeros(n) if math.isinf(rate) else rng.exponential(1.0 / rate, n)
+    gaps = np.zeros(n) if rate in (0, math.inf) else rng.exponential(1.0 / rate, n)
     arrivals = np.cumsum(gaps) - gaps[0]
     return [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
 
@@ -146,9 +148,9 @@ def prompt(rng, vocab: int, n: int) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
 
 
-def run_load(engine, requests, vocab: int, seed: int, timeout_s: float) -> dict:
-    """Submits the requests at their arrival times to the running engine, waits for all of
-    them, and returns the rate's measures."""
+def run_load(engine, requests, vocab: int, seed: int, timeout_s: float, *, sequential=False):
+    """Submits the requests at their arrival times (`sequential`: each once the one before has
+    finished) to the running engine, waits for all of them, and returns the rate's measures."""
     from kivi_jax.generate import Sampling
 
     rng = np.random.default_rng(seed + 1)
@@ -160,6 +162,8 @@ def run_load(engine, requests, vocab: int, seed: int, timeout_s: float) -> dict:
         if delay > 0:
             time.sleep(delay)
         handles.append(engine.submit(ids, Sampling(), max_new_tokens=out))
+        if sequential:
+            handles[-1].result(timeout=timeout_s)
     deadline = t0 + timeout_s
     for h in handles:
         h.result(timeout=max(1.0, deadline - time.perf_counter()))
@@ -250,7 +254,7 @@ def generate_decode_rate(params, vocab: int, kv: str, *, batch: int, length: int
 
 def _row(args, mode: str, rate: float, m: dict, fit: dict, rates: dict) -> dict:
     row = dict(mode=mode, model=args.model, kv=args.kv, budget_gb=args.budget_gb,
-               rate=rate if math.isfinite(rate) else "inf", **m, **rates, peak_gb=peak_gb(),
+               rate=_rate_label(rate), **m, **rates, peak_gb=peak_gb(),
                call=args.call, **fit)  # fmt: skip
     print(f"  {mode} rate {rate}: {m['out_tok_per_s']:.0f} out tok/s, TTFT p99 "
           f"{m['ttft_p99_ms']:.0f} ms, TPOT p99 {m['tpot_p99_ms']:.1f} ms, "
@@ -317,13 +321,15 @@ def measure_kv(args) -> dict:
     }
     with engine:
         for rate, reqs in workloads.items():
-            m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s)
+            m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s,
+                         sequential=rate == 0)  # fmt: skip
             rows.append(_row(args, "engine", rate, m, fit, rates))
     if args.http:  # the same loads through kivi-serve's app (a new engine: programs cached)
         del engine
         with HttpServer(new_engine(), tokenizer, max_len) as server:
             for rate, reqs in workloads.items():
-                m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s)
+                m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s,
+                                  sequential=rate == 0)  # fmt: skip
                 rows.append(_row(args, "http", rate, m, fit, rates))
     return dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind)
 
@@ -393,9 +399,10 @@ def _stream(base: str, ids: list[int], out: int, timeout_s: float) -> tuple[floa
     return first, time.perf_counter(), tokens
 
 
-def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s: float) -> dict:
+def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s: float, *,
+                  sequential=False) -> dict:  # fmt: skip
     """run_load through the HTTP server: each request a streamed completion from a thread of
-    its own, sent at its arrival time."""
+    its own, sent at its arrival time (`sequential`: one after another)."""
     from concurrent.futures import ThreadPoolExecutor
 
     rng = np.random.default_rng(seed + 1)
@@ -411,7 +418,7 @@ def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s
         sent = time.perf_counter()
         return (sent, *_stream(server.base, prompts[i], out, timeout_s))
 
-    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+    with ThreadPoolExecutor(max_workers=1 if sequential else len(requests)) as pool:
         done = list(pool.map(one, range(len(requests))))
     return measures([(s, f, e, n) for s, f, e, n in done], t0, live.mean())
 
@@ -464,7 +471,7 @@ def merge(args) -> None:
                     o["model"], o["kv"], o["device"])  # fmt: skip
                 merged["overhead"] = [x for x in merged["overhead"] if not same(x)] + [o]
             merged["versions"] = r["versions"]
-    rate_key = lambda x: math.inf if x["rate"] == "inf" else float(x["rate"])
+    rate_key = lambda x: _rate(str(x["rate"]))
     merged["rows"].sort(key=lambda x: (x["device"], x["model"], x["kv"], rate_key(x)))
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1))
@@ -524,19 +531,21 @@ def plot(result: dict, path: Path) -> None:
     for j, (device, model, mode) in enumerate(groups):
         rows = [r for r in result["rows"] if (r["device"], r["model"], r["mode"]) == (
             device, model, mode)]  # fmt: skip
-        finite = [float(r["rate"]) for r in rows if r["rate"] != "inf"]
+        finite = [float(r["rate"]) for r in rows if r["rate"] not in ("inf", "seq")]
         inf_at = 2 * max(finite) if finite else 1.0  # saturation drawn right of the others
+        where = lambda r, inf_at=inf_at: inf_at if r["rate"] == "inf" else _rate(str(r["rate"]))
         for kv in sorted({r["kv"] for r in rows}):
-            mine = sorted((r for r in rows if r["kv"] == kv), key=lambda r: float(
-                inf_at if r["rate"] == "inf" else r["rate"]))  # fmt: skip
-            x = [inf_at if r["rate"] == "inf" else float(r["rate"]) for r in mine]
+            mine = sorted((r for r in rows if r["kv"] == kv), key=where)
+            x = [where(r) for r in mine]
             label = f"{kv} ({mine[0]['slots']} slots)"
             axes[0, j].plot(x, [r["out_tok_per_s"] for r in mine], "o-", label=label)
             axes[1, j].plot(x, [r["tpot_p99_ms"] for r in mine], "o-", label=label)
         axes[0, j].set_title(f"{model}, {mode} ({device})", fontsize=9)
         axes[0, j].set_ylabel("output tokens/s")
         axes[1, j].set_ylabel("p99 time per output token (ms)")
-        axes[1, j].set_xlabel(f"offered load (requests/s; saturation at {inf_at:g})")
+        axes[1, j].set_xlabel(
+            f"offered load (requests/s; one after another at 0, all at once at {inf_at:g})"
+        )
         axes[0, j].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -544,7 +553,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def _rate(text: str) -> float:
-    return math.inf if text == "inf" else float(text)
+    """A --rates value: requests/s, "inf" (all at once) or "seq" (one after another, as 0)."""
+    return {"inf": math.inf, "seq": 0.0}.get(text) if text in ("inf", "seq") else float(text)
+
+
+def _rate_label(rate: float):
+    return "inf" if math.isinf(rate) else "seq" if rate == 0 else rate
 
 
 def main_parser() -> argparse.ArgumentParser:

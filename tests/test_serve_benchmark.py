@@ -32,13 +32,14 @@ def test_the_workload_is_poisson_arrivals_with_lengths_in_the_ranges():
 def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     args = serve.main_parser().parse_args(
         ["run", "--model", "smoke", "--kvs", "kivi2", "--slots", "2", "--requests", "3",
-         "--rates", "inf", "--prompt-range", "8", "40", "--output-range", "3", "6",
+         "--rates", "seq", "inf", "--prompt-range", "8", "40", "--output-range", "3", "6",
          "--prefill-chunk", "32", "--prefill-requests", "1", "--overhead-batch", "2",
          "--budget-gb", "1", "--out", str(tmp_path / "run")]
     )  # fmt: skip
     args.kv = "kivi2"
     result = serve.measure_kv(args)
-    (row,) = result["rows"]
+    seq, row = result["rows"]
+    assert seq["rate"] == "seq" and seq["mean_live_slots"] <= 1 + 1e-9
     assert row["requests"] == 3 and row["slots"] == 2 and row["rate"] == "inf"
     assert row["out_tok_per_s"] > 0 and row["predicted_out_tok_per_s"] > 0
     assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["tpot_p50_ms"] <= row["tpot_p99_ms"]
