@@ -66,6 +66,12 @@ def _data_axis(mesh: Mesh) -> str | None:
     return DATA_AXIS if DATA_AXIS in mesh.axis_names else None
 
 
+def rows_spec(mesh: Mesh) -> P:
+    """The PartitionSpec of a per-row array (rows on axis 0): rows over "data" if the mesh has
+    it, else replicated."""
+    return P(_data_axis(mesh))
+
+
 def kv_heads_on_mesh(num_kv_heads: int, mesh: Mesh) -> int:
     """KV heads the state holds on `mesh`: num_kv_heads, or the "model" size M where KV heads
     are fewer than M and each is replicated (module doc)."""
@@ -349,6 +355,29 @@ def prefill(params: LlamaParams, tokens, lengths, caches, *, rows: int | None = 
     b = P(_data_axis(mesh))
     in_specs = (param_specs(params), b, b, cspecs)
     return _shard_map(run, mesh, in_specs, (b, cspecs))(params, tokens, lengths, caches)
+
+
+def scratch_spec(mesh: Mesh) -> P:
+    """The PartitionSpec of a chunked prefill's full-precision K/V scratch [B, P, H, D]
+    (`llama.prefill_chunk`): rows over "data", KV heads over "model", as the state's."""
+    return P(_data_axis(mesh), None, MODEL_AXIS, None)
+
+
+def prefill_chunk(params: LlamaParams, tokens, offset, count, scratch, caches):
+    """`llama.prefill_chunk` on the mesh that `params` carry; the scratch as `scratch_spec`."""
+    mesh = params.mesh
+    cspecs = cache_specs(caches, mesh)
+    sspecs = jax.tree.map(lambda _: scratch_spec(mesh), scratch)
+
+    def run(p, tokens, offset, count, scratch, caches):
+        return llama.prefill_chunk(_local(p, mesh), tokens, offset, count, scratch, caches)
+
+    b = P(_data_axis(mesh))
+    in_specs = (param_specs(params), b, P(), b, sspecs, cspecs)
+    out_specs = (b, sspecs, cspecs)
+    return _shard_map(run, mesh, in_specs, out_specs)(
+        params, tokens, offset, count, scratch, caches
+    )
 
 
 def forward(params: LlamaParams, tokens, lengths=None, *, attention=None):

@@ -6,6 +6,7 @@ Meshes: (model=4) with 8 query / 4 KV heads, (data=2, model=2) and (model=2) wit
 KV heads, and (model=4) with 2 KV heads (each replicated over 2 devices).
 """
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -24,6 +25,7 @@ from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, kv_head_axis
 from kivi_jax.cli import main
 from kivi_jax.generate import TokenStream, resolve_kv
+from kivi_jax.serving import Engine
 
 if jax.device_count() < 4:
     pytest.fail(
@@ -202,6 +204,67 @@ def test_saved_model_restored_into_its_shards(tmp_path):
     third = kivi_jax.load_model(tmp_path / "from_mesh", dtype=jnp.float32)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(third.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt, new tokens)
+
+
+def run_engine(params, mesh):
+    """Three requests on two slots (the third reuses a slot), the long one prefilled in two
+    chunks of 32; returns the engine and each request's tokens."""
+    e = Engine(params, kv="kivi2", slots=2, max_len=64, prefill_chunk=32, decode_steps=4,
+               mesh=mesh)  # fmt: skip
+    handles = {
+        name: e.submit(PROMPTS[i, :n].tolist(), max_new_tokens=new)
+        for i, (name, (n, new)) in enumerate(ENGINE_REQUESTS.items())
+    }
+    while e.step():
+        pass
+    return e, {name: h.result() for name, h in handles.items()}
+
+
+def test_engine_on_a_mesh_answers_as_one_device_with_its_state_split():
+    """On (data=2, model=2): each request's greedy tokens equal the one-device engine's, and
+    the slots' state, its other arrays and the prefill scratch stay in their shards (KV heads
+    over "model", slots over "data") through inserts, chunks, decode calls and resets."""
+    mesh = make_mesh("data2_model2")
+    params = params_of("data2_model2")
+    e, got = run_engine(params, mesh)
+    assert e.params.mesh == mesh
+    assert got == run_engine(params, None)[1]
+
+    def check(path, x):
+        spec = expected_spec(path, x, mesh)
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (path, x.sharding)
+
+    jax.tree_util.tree_map_with_path(check, e._state.caches)
+    for x in jax.tree.leaves(dataclasses.replace(e._state, caches=())):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), x.ndim), x.sharding
+    for x in jax.tree.leaves(e._scratch):
+        want = NamedSharding(mesh, P("data", None, "model", None))
+        assert x.sharding.is_equivalent_to(want, x.ndim), x.sharding
+    with pytest.raises(ValueError, match="batch of 3 rows is not divisible by the 'data' axis"):
+        Engine(params, slots=3, max_len=64, mesh=mesh)
+
+
+def test_kivi_serve_tensor_parallel_serves_an_engine_on_the_mesh(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    from kivi_jax.serving import server
+
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params_of("model2"))
+    apps = []
+    monkeypatch.setattr(server, "create_app", lambda engine, *a, **kw: apps.append(engine))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    argv = ["--model", path, "--max-len", "64", "--slots", "2"]
+    assert server.main([*argv, "--tensor-parallel", "2"]) == 0
+    (engine,) = apps
+    assert engine.mesh.shape == {"model": 2} and engine.params.mesh == engine.mesh
+    assert server.main([*argv, "--tensor-parallel", "3"]) == 2  # 4 query heads on 3 devices
+    err = capsys.readouterr().err
+    assert err.startswith("kivi-serve: error: ")
+    assert "4 query heads are not divisible by the 'model' axis of 3" in err
 
 
 def bad_meshes():

@@ -508,7 +508,7 @@ def test_cli_options_state_their_defaults():
     actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
-        "--host", "--port", "--shutdown-timeout",
+        "--host", "--port", "--shutdown-timeout", "--tensor-parallel",
     }  # fmt: skip
     for a in actions:
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
@@ -522,6 +522,7 @@ def test_cli_options_state_their_defaults():
         (["--model", "/no/such/model.gguf"], "no such model file or directory"),
         (["--slots", "0"], "slots must be a positive int"),
         (["--max-len", "4096"], "exceeds the model's context of 256"),
+        (["--tensor-parallel", "2"], "--tensor-parallel: tensor parallelism over 2 devices, but"),
     ],
 )
 def test_cli_errors_exit_2_before_serving(tiny_dir, argv, message, capsys):
