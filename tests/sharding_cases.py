@@ -26,6 +26,7 @@ from kivi_jax.cache import BATCH_AXIS, kv_head_axis
 from kivi_jax.cli import main
 from kivi_jax.generate import TokenStream, resolve_kv
 from kivi_jax.serving import Engine
+from kivi_jax.weights import QuantizedWeight, quantize_weights
 
 if jax.device_count() < 4:
     pytest.fail(
@@ -203,6 +204,56 @@ def test_saved_model_restored_into_its_shards(tmp_path):
     kivi_jax.save_model(again, tmp_path / "from_mesh")
     third = kivi_jax.load_model(tmp_path / "from_mesh", dtype=jnp.float32)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(third.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@functools.cache
+def quantized_params(bits: int, group_size: int = 16):
+    """The tiny model (untied: its output projection quantized too) with int8 or int4 weights;
+    int4's groups of 16 rows divide over (model=2): 96 / 2 = 48 rows of w_down a shard."""
+    return quantize_weights(tiny_params(tie_embeddings=False), bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weights_on_a_mesh_answer_as_one_device(bits):
+    """The same quantized weights, split over (model=2): w_qkv, w_gate_up by columns (their
+    scales and zero points alike), wo, w_down by rows with int4's group scales split along
+    (int8's per-channel scales replicated); greedy tokens equal the one-device ones."""
+    params, mesh = quantized_params(bits), make_mesh("model2")
+    placed = sharding.shard_params(params, mesh)
+    w = placed.layers[0].w_down
+    assert isinstance(w, QuantizedWeight) and w.qvalue.sharding.spec == P("model", None)
+    assert w.scale.sharding.spec == (P() if bits == 8 else P("model", None))
+    assert placed.layers[0].w_qkv.scale.sharding.spec == P(None, "model")
+    out = kivi_jax.generate(placed, PROMPTS, lengths=LENGTHS, kv="kivi2", max_new_tokens=NEW)
+    want = kivi_jax.generate(params, PROMPTS, lengths=LENGTHS, kv="kivi2", max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    back = sharding.unshard_params(placed)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_quantized_groups_must_divide_over_the_model_axis():
+    # w_down [96, 64] in groups of 32 rows: a shard of (model=2) would take 48 rows, 1.5 groups
+    with pytest.raises(ValueError, match=r"layers\[0\]\.w_down is quantized in groups of 32 "
+                       r"input rows.*each shard's 48 rows must be whole groups"):  # fmt: skip
+        sharding.shard_params(quantized_params(4, group_size=32), make_mesh("model2"))
+
+
+def test_saved_quantized_model_restored_into_its_shards(tmp_path):
+    write_hf_dir(str(tmp_path / "hf"), tiny_params(tie_embeddings=False))
+    model = kivi_jax.load_model(
+        tmp_path / "hf", dtype=jnp.float32, weights="int4", weight_group_size=16
+    )
+    kivi_jax.save_model(model, tmp_path / "saved")
+    mesh = make_mesh("model2")
+    again = kivi_jax.load_model(tmp_path / "saved", dtype=jnp.float32, mesh=mesh)
+    assert again.params.mesh == mesh
+    w = again.params.layers[1].w_down
+    assert isinstance(w, QuantizedWeight) and w.qvalue.dtype == jnp.int4
+    assert {s.data.shape for s in w.scale.addressable_shards} == {(48 // 16, 64)}
+    back = sharding.unshard_params(again.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
