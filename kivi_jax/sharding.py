@@ -220,7 +220,8 @@ def param_sharding(params: LlamaParams, mesh: Mesh) -> LlamaParams:
 def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     """`params` placed on `mesh`: each device gets its shard (module doc: the per-shard column
     order of w_qkv and w_gate_up). The result carries the mesh, so the model's entry points run
-    sharded. Params already on this mesh are returned as they are.
+    sharded. Params already on this mesh keep their order, each array moved to its shards where
+    it is not there (weights quantized on the mesh: `load_model(..., mesh=, weights="int4")`).
 
     Arrays on one device (a GGUF or Hugging Face load) are copied into their shards; arrays
     already split over the mesh (`load_model(..., mesh=)` of a saved model) are reordered on
@@ -232,7 +233,7 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     if params.mesh is not None:
         if params.mesh != mesh:
             raise ValueError("params are already placed on another mesh: unshard_params first")
-        return params
+        return jax.device_put(params, param_sharding(params, mesh))
     check_mesh(mesh, params.config)
     m = _model_size(mesh)
     cols = {

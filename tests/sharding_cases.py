@@ -255,6 +255,17 @@ def test_saved_quantized_model_restored_into_its_shards(tmp_path):
     back = sharding.unshard_params(again.params)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
+    # A float model restored on the mesh, then quantized there: the same weights, in shards.
+    kivi_jax.save_model(kivi_jax.load_model(tmp_path / "hf", dtype=jnp.float32), tmp_path / "float")
+    third = kivi_jax.load_model(
+        tmp_path / "float", dtype=jnp.float32, mesh=mesh, weights="int4", weight_group_size=16
+    )
+    want = sharding.param_sharding(third.params, mesh)
+    for x, s in zip(jax.tree.leaves(third.params), jax.tree.leaves(want), strict=True):
+        assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
+    back = sharding.unshard_params(third.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt, new tokens)
