@@ -16,17 +16,17 @@ updated in place:
                     nothing), returning their tokens [slots, decode_steps]
 
 Rows are written with tree_map over the state's arrays on kivi_jax.cache.BATCH_AXIS (the
-layout's invariant: every per-row array holds its rows on axis 0).
+layout's invariant: every per-row array holds its rows on axis 0). The host side (`Engine`)
+is the scheduler: a bounded FIFO queue, slot bookkeeping, and the tokens read back one decode
+call late (the next call is dispatched before the previous one's tokens are read), so the
+device never waits for the host between calls.
 
 On a mesh (kivi_jax.sharding) the params carry it and the model's calls run under shard_map:
 every state array holds its KV heads split over "model" and its slots over "data" (if the mesh
 has it), the prefill scratch likewise, and each program above returns the state in those
 shardings. The one-row programs (a prompt's prefill, its chunks, its one-row state) run on one
 row per "data" shard, each the same prompt, so that each device holds a row's share of KV heads
-and none waits for another; the insert takes the first. The host side (`Engine`)
-is the scheduler: a bounded FIFO queue, slot bookkeeping, and the tokens read back one decode
-call late (the next call is dispatched before the previous one's tokens are read), so the
-device never waits for the host between calls.
+and none waits for another; the insert takes the first.
 """
 
 from __future__ import annotations
