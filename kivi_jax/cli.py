@@ -45,6 +45,32 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tensor_parallel_argument(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel N, as kivi-generate and kivi-serve take it (mesh_from_args)."""
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model's heads, MLP width and KV cache over the first N devices "
+        "(docs/scaling.md); N must divide the query heads and the MLP width, and the KV heads "
+        "or be a multiple of them (default: one device, no mesh)",
+    )
+
+
+def mesh_from_args(args: argparse.Namespace):
+    """The mesh --tensor-parallel names (kivi_jax.sharding.tensor_parallel_mesh), None without
+    it; raises ValueError naming the option (N not positive, more than the devices here)."""
+    if args.tensor_parallel is None:
+        return None
+    from kivi_jax.sharding import tensor_parallel_mesh
+
+    try:
+        return tensor_parallel_mesh(args.tensor_parallel)
+    except ValueError as e:
+        raise ValueError(f"--tensor-parallel: {e}") from None
+
+
 def resolve_dtype(name: str) -> str:
     """--dtype's value as a jnp dtype name ('auto': float32 on CPU, bfloat16 elsewhere)."""
     import jax
@@ -122,15 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send the prompt as is, without the chat template (default: the template is used)",
     )
-    p.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split the model's heads, MLP width and KV cache over the first N devices "
-        "(docs/scaling.md); N must divide the query heads and the MLP width, and the KV heads "
-        "or be a multiple of them (default: one device, no mesh)",
-    )
+    add_tensor_parallel_argument(p)
     return p
 
 
@@ -169,15 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     from kivi_jax.loading import ModelLoadError
     from kivi_jax.weights import weights_label
 
-    mesh = None
-    if args.tensor_parallel is not None:
-        from kivi_jax.sharding import tensor_parallel_mesh
-
-        try:
-            mesh = tensor_parallel_mesh(args.tensor_parallel)
-        except ValueError as e:
-            err.write(f"\nkivi-generate: error: --tensor-parallel: {e}\n")
-            return 2
+    try:
+        mesh = mesh_from_args(args)
+    except ValueError as e:
+        err.write(f"\nkivi-generate: error: {e}\n")
+        return 2
     dtype = resolve_dtype(args.dtype)
     t0 = time.perf_counter()
     try:

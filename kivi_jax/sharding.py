@@ -43,6 +43,7 @@ from kivi_jax import cache as cache_lib
 from kivi_jax.models import llama
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams
+from kivi_jax.weights import QuantizedWeight
 
 MODEL_AXIS = "model"
 DATA_AXIS = "data"
@@ -64,6 +65,12 @@ def _model_size(mesh: Mesh) -> int:
 
 def _data_axis(mesh: Mesh) -> str | None:
     return DATA_AXIS if DATA_AXIS in mesh.axis_names else None
+
+
+def rows_spec(mesh: Mesh) -> P:
+    """The PartitionSpec of a per-row array (rows on axis 0): rows over "data" if the mesh has
+    it, else replicated."""
+    return P(_data_axis(mesh))
 
 
 def kv_heads_on_mesh(num_kv_heads: int, mesh: Mesh) -> int:
@@ -153,27 +160,68 @@ def _gate_up_columns(config: LlamaConfig, m: int) -> np.ndarray:
     )
 
 
-def param_specs(params: LlamaParams) -> LlamaParams:
-    """The PartitionSpec of every weight (a LlamaParams of specs)."""
-    layers = tuple(LayerWeights(**_LAYER_SPECS) for _ in params.layers)
+def _weight_spec(name: str, w, spec: P, m: int):
+    """The spec of weight `name`: `spec` for a float array; for a QuantizedWeight, that of each
+    of its arrays. A column split takes each array's columns alike. A row split takes the
+    scales' and zero points' rows of the groups that its rows fall in: each shard's rows must
+    be whole groups; per-channel scales (one row) are replicated."""
+    if not isinstance(w, QuantizedWeight):
+        return spec
+    scales = spec
+    if spec == P(MODEL_AXIS, None):
+        n_in, groups = w.shape[0], w.scale.shape[0]
+        if groups == 1:
+            scales = P()
+        elif groups % m:
+            raise ValueError(
+                f"{name} is quantized in groups of {n_in // groups} input rows, which do not "
+                f"divide over the {MODEL_AXIS!r} axis of {m} devices: each shard's {n_in // m} "
+                f"rows must be whole groups (the shard width a multiple of the group size)"
+            )
+    return QuantizedWeight(
+        qvalue=spec, scale=scales, zero_point=None if w.zero_point is None else scales
+    )
+
+
+def param_specs(params: LlamaParams, mesh: Mesh | None = None) -> LlamaParams:
+    """The PartitionSpec of every weight (a LlamaParams of specs; a QuantizedWeight's arrays
+    each have theirs). `mesh` (default: the params') gives the "model" size a row-split
+    quantized matrix's groups are checked against.
+
+    Raises:
+      ValueError: a row-split quantized matrix (wo, w_down) whose groups do not divide over
+        "model".
+    """
+    mesh = params.mesh if mesh is None else mesh
+    m = 1 if mesh is None else _model_size(mesh)
+    layers = tuple(
+        LayerWeights(
+            **{
+                name: _weight_spec(f"layers[{i}].{name}", getattr(lw, name), spec, m)
+                for name, spec in _LAYER_SPECS.items()
+            }
+        )
+        for i, lw in enumerate(params.layers)
+    )
     return dataclasses.replace(
         params,
         embed=P(),
         layers=layers,
         final_norm=P(),
-        lm_head=None if params.lm_head is None else P(),
+        lm_head=None if params.lm_head is None else jax.tree.map(lambda _: P(), params.lm_head),
     )
 
 
 def param_sharding(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     """The NamedSharding of every weight on `mesh` (a LlamaParams of shardings)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh))
 
 
 def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     """`params` placed on `mesh`: each device gets its shard (module doc: the per-shard column
     order of w_qkv and w_gate_up). The result carries the mesh, so the model's entry points run
-    sharded. Params already on this mesh are returned as they are.
+    sharded. Params already on this mesh keep their order, each array moved to its shards where
+    it is not there (weights quantized on the mesh: `load_model(..., mesh=, weights="int4")`).
 
     Arrays on one device (a GGUF or Hugging Face load) are copied into their shards; arrays
     already split over the mesh (`load_model(..., mesh=)` of a saved model) are reordered on
@@ -185,7 +233,7 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     if params.mesh is not None:
         if params.mesh != mesh:
             raise ValueError("params are already placed on another mesh: unshard_params first")
-        return params
+        return jax.device_put(params, param_sharding(params, mesh))
     check_mesh(mesh, params.config)
     m = _model_size(mesh)
     cols = {
@@ -196,8 +244,10 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
 
     def place(name, x, sharding):
         if name in cols and not np.array_equal(cols[name], np.arange(x.shape[1])):
-            # one reordered matrix at a time: done before the next one starts
-            return jax.block_until_ready(jax.device_put(jnp.take(x, cols[name], axis=1), sharding))
+            # one reordered matrix at a time (a quantized one's arrays alike, all per column):
+            # done before the next one starts
+            x = jax.tree.map(lambda a: jnp.take(a, cols[name], axis=1), x)
+            return jax.block_until_ready(jax.device_put(x, sharding))
         return jax.device_put(x, sharding)
 
     layers = tuple(
@@ -250,7 +300,11 @@ def unshard_params(params: LlamaParams) -> LlamaParams:
         _, inverse[name] = np.unique(cols, return_index=True)  # the first copy of each column
     layers = tuple(
         dataclasses.replace(
-            lw, **{n: jnp.take(getattr(lw, n), idx, axis=1) for n, idx in inverse.items()}
+            lw,
+            **{
+                n: jax.tree.map(lambda a, idx=idx: jnp.take(a, idx, axis=1), getattr(lw, n))
+                for n, idx in inverse.items()
+            },
         )
         for lw in params.layers
     )
@@ -349,6 +403,29 @@ def prefill(params: LlamaParams, tokens, lengths, caches, *, rows: int | None = 
     b = P(_data_axis(mesh))
     in_specs = (param_specs(params), b, b, cspecs)
     return _shard_map(run, mesh, in_specs, (b, cspecs))(params, tokens, lengths, caches)
+
+
+def scratch_spec(mesh: Mesh) -> P:
+    """The PartitionSpec of a chunked prefill's full-precision K/V scratch [B, P, H, D]
+    (`llama.prefill_chunk`): rows over "data", KV heads over "model", as the state's."""
+    return P(_data_axis(mesh), None, MODEL_AXIS, None)
+
+
+def prefill_chunk(params: LlamaParams, tokens, offset, count, scratch, caches):
+    """`llama.prefill_chunk` on the mesh that `params` carry; the scratch as `scratch_spec`."""
+    mesh = params.mesh
+    cspecs = cache_specs(caches, mesh)
+    sspecs = jax.tree.map(lambda _: scratch_spec(mesh), scratch)
+
+    def run(p, tokens, offset, count, scratch, caches):
+        return llama.prefill_chunk(_local(p, mesh), tokens, offset, count, scratch, caches)
+
+    b = P(_data_axis(mesh))
+    in_specs = (param_specs(params), b, P(), b, sspecs, cspecs)
+    out_specs = (b, sspecs, cspecs)
+    return _shard_map(run, mesh, in_specs, out_specs)(
+        params, tokens, offset, count, scratch, caches
+    )
 
 
 def forward(params: LlamaParams, tokens, lengths=None, *, attention=None):

@@ -570,6 +570,10 @@ def prefill_chunk(
       holds the same tokens); the logits differ from it only in the attention's reduction
       shapes (P keys, masked causally, in place of the prompt's width).
     """
+    if params.mesh is not None:
+        from kivi_jax import sharding
+
+        return sharding.prefill_chunk(params, tokens, offset, count, scratch, caches)
     c = params.config
     B, C = tokens.shape
     P = scratch[0][0].shape[1]
@@ -584,8 +588,9 @@ def prefill_chunk(
         attn = jax.nn.dot_product_attention(
             q, sk, sv, mask=mask, scale=1.0 / math.sqrt(c.head_dim)
         )  # [B, C, N, D]; keys after each query (and the padding) masked out
-        h = h + _dense(attn.astype(h.dtype).reshape(B, C, c.num_heads * c.head_dim), lw.wo)
-        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps))
+        attn = attn.astype(h.dtype).reshape(B, C, c.num_heads * c.head_dim)
+        h = h + _sum_shards(_dense(attn, lw.wo), c)
+        h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
         state = cache_prefill(cache, k, v, count, q=q)
         h, state = jax.lax.optimization_barrier((h, state))
         out.append(state)

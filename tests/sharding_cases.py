@@ -6,6 +6,7 @@ Meshes: (model=4) with 8 query / 4 KV heads, (data=2, model=2) and (model=2) wit
 KV heads, and (model=4) with 2 KV heads (each replicated over 2 devices).
 """
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -24,6 +25,8 @@ from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, kv_head_axis
 from kivi_jax.cli import main
 from kivi_jax.generate import TokenStream, resolve_kv
+from kivi_jax.serving import Engine
+from kivi_jax.weights import QuantizedWeight, quantize_weights
 
 if jax.device_count() < 4:
     pytest.fail(
@@ -202,6 +205,134 @@ def test_saved_model_restored_into_its_shards(tmp_path):
     third = kivi_jax.load_model(tmp_path / "from_mesh", dtype=jnp.float32)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(third.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@functools.cache
+def quantized_params(bits: int, group_size: int = 16):
+    """The tiny model (untied: its output projection quantized too) with int8 or int4 weights;
+    int4's groups of 16 rows divide over (model=2): 96 / 2 = 48 rows of w_down a shard."""
+    return quantize_weights(tiny_params(tie_embeddings=False), bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weights_on_a_mesh_answer_as_one_device(bits):
+    """The same quantized weights, split over (model=2): w_qkv, w_gate_up by columns (their
+    scales and zero points alike), wo, w_down by rows with int4's group scales split along
+    (int8's per-channel scales replicated); greedy tokens equal the one-device ones."""
+    params, mesh = quantized_params(bits), make_mesh("model2")
+    placed = sharding.shard_params(params, mesh)
+    w = placed.layers[0].w_down
+    assert isinstance(w, QuantizedWeight) and w.qvalue.sharding.spec == P("model", None)
+    assert w.scale.sharding.spec == (P() if bits == 8 else P("model", None))
+    assert placed.layers[0].w_qkv.scale.sharding.spec == P(None, "model")
+    out = kivi_jax.generate(placed, PROMPTS, lengths=LENGTHS, kv="kivi2", max_new_tokens=NEW)
+    want = kivi_jax.generate(params, PROMPTS, lengths=LENGTHS, kv="kivi2", max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    back = sharding.unshard_params(placed)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_quantized_groups_must_divide_over_the_model_axis():
+    # w_down [96, 64] in groups of 32 rows: a shard of (model=2) would take 48 rows, 1.5 groups
+    with pytest.raises(ValueError, match=r"layers\[0\]\.w_down is quantized in groups of 32 "
+                       r"input rows.*each shard's 48 rows must be whole groups"):  # fmt: skip
+        sharding.shard_params(quantized_params(4, group_size=32), make_mesh("model2"))
+
+
+def test_saved_quantized_model_restored_into_its_shards(tmp_path):
+    write_hf_dir(str(tmp_path / "hf"), tiny_params(tie_embeddings=False))
+    model = kivi_jax.load_model(
+        tmp_path / "hf", dtype=jnp.float32, weights="int4", weight_group_size=16
+    )
+    kivi_jax.save_model(model, tmp_path / "saved")
+    mesh = make_mesh("model2")
+    again = kivi_jax.load_model(tmp_path / "saved", dtype=jnp.float32, mesh=mesh)
+    assert again.params.mesh == mesh
+    w = again.params.layers[1].w_down
+    assert isinstance(w, QuantizedWeight) and w.qvalue.dtype == jnp.int4
+    assert {s.data.shape for s in w.scale.addressable_shards} == {(48 // 16, 64)}
+    back = sharding.unshard_params(again.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A float model restored on the mesh, then quantized there: the same weights, in shards.
+    kivi_jax.save_model(kivi_jax.load_model(tmp_path / "hf", dtype=jnp.float32), tmp_path / "float")
+    third = kivi_jax.load_model(
+        tmp_path / "float", dtype=jnp.float32, mesh=mesh, weights="int4", weight_group_size=16
+    )
+    want = sharding.param_sharding(third.params, mesh)
+    for x, s in zip(jax.tree.leaves(third.params), jax.tree.leaves(want), strict=True):
+        assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
+    back = sharding.unshard_params(third.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt, new tokens)
+
+
+def run_engine(params, mesh):
+    """Warmup, then three requests on two slots (the third reuses a slot), the long one
+    prefilled in two chunks of 32; returns the engine and each request's tokens."""
+    e = Engine(params, kv="kivi2", slots=2, max_len=64, prefill_chunk=32, decode_steps=4,
+               mesh=mesh)  # fmt: skip
+    e.warmup()  # every program once (kivi-serve's start), on the idle state
+    handles = {
+        name: e.submit(PROMPTS[i, :n].tolist(), max_new_tokens=new)
+        for i, (name, (n, new)) in enumerate(ENGINE_REQUESTS.items())
+    }
+    while e.step():
+        pass
+    return e, {name: h.result() for name, h in handles.items()}
+
+
+@pytest.mark.parametrize(
+    "mesh_name", ["data2_model2", pytest.param("model4_kv_replicated", marks=pytest.mark.slow)]
+)
+def test_engine_on_a_mesh_answers_as_one_device_with_its_state_split(mesh_name):
+    """Each request's greedy tokens equal the one-device engine's, and the slots' state, its
+    other arrays and the prefill scratch stay in their shards (KV heads over "model", slots
+    over "data") through inserts, chunks, decode calls and resets."""
+    mesh = make_mesh(mesh_name)
+    params = params_of(mesh_name)
+    e, got = run_engine(params, mesh)
+    assert e.params.mesh == mesh
+    assert got == run_engine(params, None)[1]
+
+    def check(path, x):
+        spec = expected_spec(path, x, mesh)
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (path, x.sharding)
+
+    jax.tree_util.tree_map_with_path(check, e._state.caches)
+    rows = "data" if "data" in mesh.axis_names else None
+    for x in jax.tree.leaves(dataclasses.replace(e._state, caches=())):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, P(rows)), x.ndim), x.sharding
+    for x in jax.tree.leaves(e._scratch):
+        want = NamedSharding(mesh, P(rows, None, "model", None))
+        assert x.sharding.is_equivalent_to(want, x.ndim), x.sharding
+    if "data" in mesh.axis_names:
+        with pytest.raises(ValueError, match="batch of 3 rows is not divisible by the 'data'"):
+            Engine(params, slots=3, max_len=64, mesh=mesh)
+
+
+def test_kivi_serve_tensor_parallel_serves_an_engine_on_the_mesh(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    from kivi_jax.serving import server
+
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, params_of("model2"))
+    apps = []
+    monkeypatch.setattr(server, "create_app", lambda engine, *a, **kw: apps.append(engine))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    argv = ["--model", path, "--max-len", "64", "--slots", "2"]
+    assert server.main([*argv, "--tensor-parallel", "2"]) == 0
+    (engine,) = apps
+    assert engine.mesh.shape == {"model": 2} and engine.params.mesh == engine.mesh
+    assert server.main([*argv, "--tensor-parallel", "3"]) == 2  # 4 query heads on 3 devices
+    err = capsys.readouterr().err
+    assert err.startswith("kivi-serve: error: ")
+    assert "4 query heads are not divisible by the 'model' axis of 3" in err
 
 
 def bad_meshes():

@@ -44,6 +44,24 @@ def _weight(entry):
     return QuantizedWeight(**entry) if isinstance(entry, dict) else entry
 
 
+def _from_tree(tree: dict, config: LlamaConfig) -> LlamaParams:
+    return LlamaParams(
+        embed=tree["embed"],
+        layers=tuple(
+            LayerWeights(**{k: _weight(v) for k, v in lw.items()}) for lw in tree["layers"]
+        ),
+        final_norm=tree["final_norm"],
+        lm_head=_weight(tree.get("lm_head")),
+        config=config,
+    )
+
+
+def _first_sentence(e: Exception) -> str:
+    """TensorStore's message runs to ~60 lines: its first sentence."""
+    first = str(e).strip().split("See full TensorStore")[0].strip().splitlines()
+    return first[0][:200] if first else type(e).__name__
+
+
 def _to_tree(params: LlamaParams) -> dict:
     tree = {
         "embed": params.embed,
@@ -94,7 +112,14 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
 
     With a `mesh` (kivi_jax.sharding), orbax restores every array straight into its shards
     on the mesh (each device reads its part of the checkpoint; no host holds the whole
-    model), and the params come back placed on it (`sharding.shard_params`).
+    model), and the params come back placed on it (`sharding.shard_params`). The shards
+    follow the arrays as saved (their shapes and dtypes from the checkpoint's metadata), so a
+    quantized model is restored as one.
+
+    Raises:
+      ModelLoadError: an unreadable or damaged directory.
+      ValueError: a mesh the model does not fit (sharding.check_mesh), or quantized groups
+        that do not divide over it (sharding.param_specs).
     """
     import orbax.checkpoint as ocp
     import tokenizers
@@ -117,32 +142,29 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
         raise ModelLoadError(
             f"{directory}: {MARKER} has no valid config and dtype ({type(e).__name__}: {e})"
         ) from None
+    saved_params = os.path.join(directory, "params")
+    damaged = lambda e: ModelLoadError(
+        f"{directory}: cannot restore the params checkpoint, damaged or incomplete "
+        f"({_first_sentence(e)})"
+    )
     target = None  # without a mesh: the arrays as saved (shapes and dtypes from the metadata)
     if mesh is not None:  # each array restored straight into its shards
         from kivi_jax import sharding
-        from kivi_jax.models.llama import init_params
 
         sharding.check_mesh(mesh, config)
-        abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0), saved_dtype))
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                saved = checkpointer.metadata(saved_params).item_metadata.tree
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), saved)
+            abstract = _from_tree(abstract, config)
+        except Exception as e:
+            raise damaged(e) from None
         target = _to_tree(sharding.restore_targets(abstract, mesh))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            tree = checkpointer.restore(os.path.join(directory, "params"), target)
-        params = LlamaParams(
-            embed=tree["embed"],
-            layers=tuple(
-                LayerWeights(**{k: _weight(v) for k, v in lw.items()}) for lw in tree["layers"]
-            ),
-            final_norm=tree["final_norm"],
-            lm_head=_weight(tree.get("lm_head")),
-            config=config,
-        )
-    except Exception as e:  # TensorStore's message runs to ~60 lines: its first sentence
-        first = str(e).strip().split("See full TensorStore")[0].strip().splitlines()
-        first = first[0][:200] if first else type(e).__name__
-        raise ModelLoadError(
-            f"{directory}: cannot restore the params checkpoint, damaged or incomplete ({first})"
-        ) from None
+            params = _from_tree(checkpointer.restore(saved_params, target), config)
+    except Exception as e:
+        raise damaged(e) from None
     try:
         validate_params(params)
     except ValueError as e:

@@ -20,6 +20,13 @@ layout's invariant: every per-row array holds its rows on axis 0). The host side
 is the scheduler: a bounded FIFO queue, slot bookkeeping, and the tokens read back one decode
 call late (the next call is dispatched before the previous one's tokens are read), so the
 device never waits for the host between calls.
+
+On a mesh (kivi_jax.sharding) the params carry it and the model's calls run under shard_map:
+every state array holds its KV heads split over "model" and its slots over "data" (if the mesh
+has it), the prefill scratch likewise, and each program above returns the state in those
+shardings. The one-row programs (a prompt's prefill, its chunks, its one-row state) run on one
+row per "data" shard, each the same prompt, so that each device holds a row's share of KV heads
+and none waits for another; the insert takes the first.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
+from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, init_cache
 from kivi_jax.config import KiviConfig
 from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv, sample
@@ -69,19 +78,31 @@ class SlotState:
     rows: RowSampling  # sampling values [S]
 
 
+def _kv_heads(params: LlamaParams) -> int:
+    """KV heads the state holds: the model's, or on a mesh sharding.kv_heads_on_mesh."""
+    h, mesh = params.config.num_kv_heads, params.mesh
+    return h if mesh is None else sharding.kv_heads_on_mesh(h, mesh)
+
+
+def _prompt_rows(params: LlamaParams) -> int:
+    """Rows of the one-row programs: one per "data" shard of the mesh (module doc), else 1."""
+    mesh = params.mesh
+    return 1 if mesh is None else dict(mesh.shape).get(sharding.DATA_AXIS, 1)
+
+
 def _empty_caches(params: LlamaParams, kv: KiviConfig | None, batch: int, max_len: int):
     c = params.config
     return init_cache(
-        kv, batch=batch, max_len=max_len, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        kv, batch=batch, max_len=max_len, num_kv_heads=_kv_heads(params), head_dim=c.head_dim,
         dtype=params.dtype, num_layers=c.num_layers,
     )  # fmt: skip
 
 
-def _empty_state(params, kv, batch: int, max_len: int) -> SlotState:
-    """init_cache's empty state (a mixed state's empty heavy slots -1 / -inf), every row
-    inactive."""
+def _empty_state(caches, batch: int) -> SlotState:
+    """init_cache's empty state `caches` (a mixed state's empty heavy slots -1 / -inf), every
+    row inactive."""
     return SlotState(
-        caches=_empty_caches(params, kv, batch, max_len),
+        caches=caches,
         last=jnp.zeros(batch, jnp.int32),
         active=jnp.zeros(batch, bool),
         count=jnp.zeros(batch, jnp.int32),
@@ -89,6 +110,36 @@ def _empty_state(params, kv, batch: int, max_len: int) -> SlotState:
         stops=jnp.full((batch, MAX_STOP_IDS), -1, jnp.int32),
         rows=jax.tree.map(jnp.asarray, RowSampling.of([Sampling()] * batch)),
     )
+
+
+def _state_sharding(state: SlotState, mesh: Mesh) -> SlotState:
+    """The NamedSharding of each state array on `mesh`: the caches as sharding.cache_sharding
+    (KV heads over "model", slots over "data"), every other array's slots over "data"."""
+    rows = NamedSharding(mesh, sharding.rows_spec(mesh))
+    return dataclasses.replace(
+        jax.tree.map(lambda _: rows, state), caches=sharding.cache_sharding(state.caches, mesh)
+    )
+
+
+def _keep_sharding(state: SlotState, mesh: Mesh | None) -> SlotState:
+    """Inside jit: the state returned in its shardings (_state_sharding), so that every program
+    gives back the state as it took it (and its donation is used)."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, _state_sharding(state, mesh))
+
+
+def _slot_state(params: LlamaParams, kv, slots: int, max_len: int) -> SlotState:
+    """The engine's empty state of `slots` rows, made in its shards on the params' mesh."""
+    mesh, c = params.mesh, params.config
+    if mesh is None:
+        return _empty_state(_empty_caches(params, kv, slots, max_len), slots)
+    caches = sharding.init_cache(
+        kv, mesh=mesh, batch=slots, max_len=max_len, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=params.dtype, num_layers=c.num_layers,
+    )  # fmt: skip
+    state = _empty_state(caches, slots)
+    return jax.device_put(state, _state_sharding(state, mesh))
 
 
 def _put_row(state, row, slot):
@@ -101,37 +152,40 @@ def _put_row(state, row, slot):
 
 @functools.partial(jax.jit, static_argnames=("kv", "max_len"))
 def _prefill_row(params, tokens, length, *, kv, max_len):
-    """tokens int32 [1, W] (right-padded), length int32 [1] -> (logits [1, V], one-row state)."""
-    return llama.prefill(params, tokens, length, _empty_caches(params, kv, 1, max_len))
+    """tokens int32 [R, W] (right-padded), length int32 [R] -> (logits [R, V], the prompt's
+    state of R rows); R = _prompt_rows, each row the same prompt."""
+    return llama.prefill(params, tokens, length, _empty_row(params, kv=kv, max_len=max_len))
 
 
 @functools.partial(jax.jit, static_argnames=("kv", "max_len"))
 def _empty_row(params, *, kv, max_len):
-    return _empty_caches(params, kv, 1, max_len)
+    return _empty_caches(params, kv, _prompt_rows(params), max_len)
 
 
 _prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
 
 
-@functools.partial(jax.jit, static_argnames=("sampled",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("sampled", "mesh"), donate_argnames=("state",))
 def _insert_row(
-    state: SlotState, caches, logits, rows: RowSampling, limit, stops, slot, *, sampled
+    state: SlotState, caches, logits, rows: RowSampling, limit, stops, slot, *, sampled, mesh
 ):
-    """A prefilled request (its one-row state, last logits [1, V], sampling values, limit [1],
-    stops [1, MAX_STOP_IDS]) into row `slot`; returns (state, its first token [1])."""
+    """A prefilled request (its state, last logits [R, V] of R equal rows, sampling values,
+    limit [1], stops [1, MAX_STOP_IDS]) into row `slot`; returns (state, its first token [1])."""
+    first_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=BATCH_AXIS)
+    caches, logits = jax.tree.map(first_row, caches), logits[:1]
     first = sample(logits, rows, jnp.zeros(1, jnp.int32), sampled=sampled)
     ends = jnp.any(first[:, None] == stops, axis=1) | (limit <= 1)
     row = SlotState(
         caches=caches, last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
         stops=stops, rows=rows,
     )  # fmt: skip
-    return _put_row(state, row, slot), first
+    return _keep_sharding(_put_row(state, row, slot), mesh), first
 
 
 @functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("state",))
 def _reset(params, state: SlotState, slot, *, kv):
-    max_len = state.caches[0].max_len
-    return _put_row(state, _empty_state(params, kv, 1, max_len), slot)
+    empty = _empty_state(_empty_caches(params, kv, 1, state.caches[0].max_len), 1)
+    return _keep_sharding(_put_row(state, empty, slot), params.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "sampled"), donate_argnames=("state",))
@@ -154,7 +208,8 @@ def _decode(params, state: SlotState, *, steps: int, sampled: bool):
         return s, out.at[:, i].set(tok)
 
     out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
-    return jax.lax.fori_loop(0, steps, step, (state, out))
+    state, out = jax.lax.fori_loop(0, steps, step, (state, out))
+    return _keep_sharding(state, params.mesh), out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +360,13 @@ class Engine:
       max_queue: requests that may wait for a slot; one more is a QueueFullError.
       eos_id: a token that ends every request (finish_reason "stop").
       decode_steps: decode steps per jitted call (tokens are read back once per call).
+      mesh: a jax.sharding.Mesh with a "model" axis and optionally "data" (kivi_jax.sharding):
+        the params are placed on it (sharding.shard_params) and the state split over it.
+        Default: the mesh the params carry, else one device.
+
+    Raises:
+      ValueError: a bad argument, or a mesh that does not fit the model or `slots` (not
+        divisible by "data"): sharding.check_mesh, before anything runs.
     """
 
     def __init__(
@@ -318,6 +380,7 @@ class Engine:
         max_queue: int = 64,
         eos_id: int | None = None,
         decode_steps: int = 8,
+        mesh: Mesh | None = None,
     ):
         if not isinstance(params, LlamaParams):
             raise TypeError(f"params must be LlamaParams, got {type(params).__name__}")
@@ -331,10 +394,14 @@ class Engine:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {c.max_context}")
         if eos_id is not None and not 0 <= eos_id < c.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {c.vocab_size})")
-        self.params, self.kv = params, resolve_kv(kv)
+        mesh = sharding.mesh_for(params, mesh)
+        if mesh is not None:
+            sharding.check_mesh(mesh, c, batch=int(slots))
+            params = sharding.shard_params(params, mesh)
+        self.params, self.kv, self.mesh = params, resolve_kv(kv), mesh
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
-        self._state = _empty_state(params, self.kv, self.slots, self.max_len)
+        self._state = _slot_state(params, self.kv, self.slots, self.max_len)
         self._scratch = self._new_scratch()
         self._slot_bytes = memory_report(self._state.caches).total_bytes
         row = jax.eval_shape(
@@ -476,21 +543,21 @@ class Engine:
         with self._step_lock:
             p, kv = self.params, self.kv
             widths = range(PROMPT_BUCKET, self._bucket(self.prefill_chunk) + 1, PROMPT_BUCKET)
-            rows = RowSampling.of([Sampling()])
-            zero, one = np.int32(0), np.ones(1, np.int32)
+            rows, r = RowSampling.of([Sampling()]), _prompt_rows(p)
+            zero, one, ones = np.int32(0), np.ones(1, np.int32), np.ones(r, np.int32)
             stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
             for w in widths:
-                logits, row = _prefill_row(p, np.zeros((1, w), np.int32), one, kv=kv,
+                logits, row = _prefill_row(p, np.zeros((r, w), np.int32), ones, kv=kv,
                                            max_len=self.max_len)  # fmt: skip
             for sampled in (False, True):
                 row = _empty_row(p, kv=kv, max_len=self.max_len)
                 self._state, _ = _insert_row(self._state, row, logits, rows, one, stops, zero,
-                                         sampled=sampled)  # fmt: skip
+                                             sampled=sampled, mesh=self.mesh)  # fmt: skip
                 self._state, _ = _decode(p, self._state, steps=self.decode_steps, sampled=sampled)
             self._state = _reset(p, self._state, zero, kv=kv)
             row = _empty_row(p, kv=kv, max_len=self.max_len)
-            tokens = np.zeros((1, self.prefill_chunk), np.int32)
-            _, self._scratch, _ = _prefill_chunk(p, tokens, zero, one, self._scratch, row)
+            tokens = np.zeros((r, self.prefill_chunk), np.int32)
+            _, self._scratch, _ = _prefill_chunk(p, tokens, zero, ones, self._scratch, row)
             jax.block_until_ready(self._state)
 
     def stats(self) -> EngineStats:
@@ -514,12 +581,16 @@ class Engine:
     # ------------------------------------------------------------------------- scheduler
 
     def _new_scratch(self) -> tuple:
-        """The chunked prompt's full-precision K/V per layer: (k, v) [1, P, H, D], P the
-        multiple of prefill_chunk that covers max_len."""
-        c, C = self.params.config, self.prefill_chunk
-        shape = (1, -(-self.max_len // C) * C, c.num_kv_heads, c.head_dim)
-        zeros = lambda: jnp.zeros(shape, self.params.dtype)
-        return tuple((zeros(), zeros()) for _ in range(c.num_layers))
+        """The chunked prompt's full-precision K/V per layer: (k, v) [R, P, H, D], P the
+        multiple of prefill_chunk that covers max_len (R = _prompt_rows); on a mesh made in
+        its shards (sharding.scratch_spec)."""
+        p, C = self.params, self.prefill_chunk
+        shape = (_prompt_rows(p), -(-self.max_len // C) * C, _kv_heads(p), p.config.head_dim)
+        zeros = lambda: jnp.zeros(shape, p.dtype)
+        if self.mesh is not None:
+            split = NamedSharding(self.mesh, sharding.scratch_spec(self.mesh))
+            zeros = jax.jit(zeros, out_shardings=split)
+        return tuple((zeros(), zeros()) for _ in range(p.config.num_layers))
 
     def _bucket(self, n: int) -> int:
         return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -565,10 +636,10 @@ class Engine:
                 row = _empty_row(self.params, kv=self.kv, max_len=self.max_len)
                 self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
                 continue
-            width = self._bucket(n)
-            tokens = np.zeros((1, width), np.int32)
-            tokens[0, :n] = h._prompt
-            logits, row = _prefill_row(self.params, tokens, np.array([n], np.int32), kv=self.kv,
+            width, r = self._bucket(n), _prompt_rows(self.params)
+            tokens = np.zeros((r, width), np.int32)
+            tokens[:, :n] = h._prompt
+            logits, row = _prefill_row(self.params, tokens, np.full(r, n, np.int32), kv=self.kv,
                                        max_len=self.max_len)  # fmt: skip
             self._insert(h, slot, row, logits)
             budget -= width
@@ -576,10 +647,11 @@ class Engine:
     def _chunk(self) -> None:
         lp, C = self._long, self.prefill_chunk
         part = lp.request._prompt[lp.offset : lp.offset + C]
-        tokens = np.zeros((1, C), np.int32)
-        tokens[0, : len(part)] = part
+        r = _prompt_rows(self.params)
+        tokens = np.zeros((r, C), np.int32)
+        tokens[:, : len(part)] = part
         logits, self._scratch, lp.caches = _prefill_chunk(
-            self.params, tokens, np.int32(lp.offset), np.array([len(part)], np.int32),
+            self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
             self._scratch, lp.caches,
         )  # fmt: skip
         lp.offset += len(part)
@@ -593,7 +665,7 @@ class Engine:
         stops[0, : len(h._stops)] = h._stops
         self._state, first = _insert_row(
             self._state, row, logits, RowSampling.of([s]), np.array([h._max_new], np.int32),
-            stops, np.int32(slot), sampled=s.temperature > 0,
+            stops, np.int32(slot), sampled=s.temperature > 0, mesh=self.mesh,
         )  # fmt: skip
         first.copy_to_host_async()
         self._events.append((first, {slot: (h, 0)}))
@@ -639,7 +711,7 @@ class Engine:
                     self._end(h, "error", error)
             self._occupant = [None] * self.slots
             self._long, self._events = None, collections.deque()
-            self._state = _empty_state(self.params, self.kv, self.slots, self.max_len)
+            self._state = _slot_state(self.params, self.kv, self.slots, self.max_len)
             self._scratch = self._new_scratch()
 
     def _loop(self) -> None:

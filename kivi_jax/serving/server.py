@@ -358,13 +358,14 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
 
 def _parser() -> argparse.ArgumentParser:
     """Every option's help ends with its default."""
-    from kivi_jax.cli import add_model_arguments
+    from kivi_jax.cli import add_model_arguments, add_tensor_parallel_argument
 
     p = argparse.ArgumentParser(
         prog="kivi-serve",
         description="Serve a Llama-family model with a KIVI KV cache over the OpenAI API.",
     )
     add_model_arguments(p)
+    add_tensor_parallel_argument(p)
     p.add_argument(
         "--slots",
         type=int,
@@ -403,17 +404,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from kivi_jax.cli import load_model_from_args
+    from kivi_jax.cli import load_model_from_args, mesh_from_args
     from kivi_jax.loading import ModelLoadError
     from kivi_jax.serving import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
-        model = load_model_from_args(args)
+        mesh = mesh_from_args(args)
+        model = load_model_from_args(args, mesh=mesh)
         engine = Engine(
             model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
             prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-            eos_id=model.tokenizer.eos_id,
+            eos_id=model.tokenizer.eos_id, mesh=mesh,
         )  # fmt: skip
     except (ModelLoadError, ValueError) as e:
         sys.stderr.write(f"kivi-serve: error: {e}\n")
