@@ -121,11 +121,13 @@ def test_cli_quick_errors_writes_json_markdown_and_plot(
     # The CLI loads the model in float32: it gets the session's float32 load of the same file
     # (loading itself is tested in test_loading.py and test_hf_reference.py).
     loads = []
-    load = lambda path, *, dtype: loads.append((path, dtype)) or smollm_f32
+    load = lambda path, **kw: loads.append((path, kw)) or smollm_f32
     monkeypatch.setattr(kj, "load_model", load)
     out = tmp_path / "results"
     assert cli.main(["errors", "--quick", "--out", str(out), "--model", default_gguf]) == 0
-    assert loads == [(default_gguf, jnp.float32)]
+    assert loads == [
+        (default_gguf, dict(dtype=jnp.float32, weights="float", weight_group_size=128))
+    ]
     for ext in ("json", "md", "png"):
         assert (out / f"errors.{ext}").stat().st_size > 0
     result = json.loads((out / "errors.json").read_text())
