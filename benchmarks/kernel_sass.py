@@ -19,19 +19,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-from kivi_jax.pallas_kernels.decode_attention import (
-    kivi_decode_attention_gpu,
-    triton_stages,
-)
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     _NUM_STAGES,
     _NUM_WARPS,
@@ -40,6 +34,9 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
     score_tiles,
     value_tiles,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from triton_fingerprint import triton_modules
 
 CONFIGS = [  # (tuning, bits, n_rep): the default and the score kernel's register prefetch,
     # both timed on the H200, with MHA; the default with GQA (the tensor-core kernels) at
@@ -55,44 +52,9 @@ CONFIGS = [  # (tuning, bits, n_rep): the default and the score kernel's registe
 
 def triton_ir(tuning: KernelTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128, G=32, bits=2):
     """{"score": ..., "value": ...}: the kernels' Triton modules as text, captured during
-    lowering for CUDA."""
-    from jax._src.pallas.triton import lowering, pallas_call_registration
-
-    triton_stages.install()  # first, so that the captured modules carry their loops' stages
-    captured = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result)
-        return result
-
-    per = 8 // bits
-    dt, u8, sd = jnp.bfloat16, jnp.uint8, jax.ShapeDtypeStruct
-    args = [
-        sd((B, H * n_rep, D), dt),
-        sd((B, H, C // per, D), u8),
-        sd((B, H, C // G, D), dt),
-        sd((B, H, C // G, D), dt),
-        sd((B, H, C, D // per), u8),
-        sd((B, H, C, D // G), dt),
-        sd((B, H, C, D // G), dt),
-        sd((B, H, R, D), dt),
-        sd((B, H, R, D), dt),
-        sd((B,), jnp.int32),
-    ]
-    f = functools.partial(
-        kivi_decode_attention_gpu, k_bits=bits, v_bits=bits, group_size=G, residual_length=R,
-        tuning=tuning,
-    )  # fmt: skip
-    lowering.lower_jaxpr_to_triton_module = capture
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    return dict(zip(("score", "value"), (str(c.module) for c in captured), strict=True))
+    lowering for CUDA (scripts/triton_fingerprint.py's capture)."""
+    score, value = triton_modules(B, H, n_rep, D, C, G, bits, R=R, tuning=tuning)
+    return {"score": score, "value": value}
 
 
 def hot_loop(sass: str) -> list[str]:

@@ -44,8 +44,9 @@ CONFIGS = [
 ] + [(8, 8, 4, 128, 32768, 64, bits) for bits in (2, 4)]
 
 
-def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128) -> list[str]:
-    """The Triton modules (text, no locations) of one decode step's kernels, in launch order."""
+def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128, tuning=None) -> list[str]:
+    """The Triton modules (text, no locations) of one decode step's kernels, in launch order,
+    with `tuning` (default GpuTuning(); benchmarks/kernel_sass.py passes KernelTunings)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     triton_stages.install()  # first, so that the modules carry their loops' stages
@@ -73,7 +74,7 @@ def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128) -> list[str]:
     ]
     f = functools.partial(
         kivi_decode_attention_gpu, k_bits=bits, v_bits=bits, group_size=G, residual_length=R,
-        tuning=GpuTuning(),
+        tuning=GpuTuning() if tuning is None else tuning,
     )  # fmt: skip
     lowering.lower_jaxpr_to_triton_module = capture
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
