@@ -143,21 +143,22 @@ class MixedState:
     ring_score: jax.Array | None
 
 
+# A KiviCache's per-head arrays (its layout: the module doc).
+_KIVI_ARRAYS = (
+    "k_codes",
+    "k_scale",
+    "k_zero",
+    "v_codes",
+    "v_scale",
+    "v_zero",
+    "k_residual",
+    "v_residual",
+)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=[
-        "k_codes",
-        "k_scale",
-        "k_zero",
-        "v_codes",
-        "v_scale",
-        "v_zero",
-        "k_residual",
-        "v_residual",
-        "lengths",
-        "overflow",
-        "side",
-    ],
+    data_fields=[*_KIVI_ARRAYS, "lengths", "overflow", "side"],
     meta_fields=["config", "max_len"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -237,19 +238,7 @@ Cache = KiviCache | FullCache
 # table, and tests/test_cache.py checks it against every kind of cache.
 BATCH_AXIS = 0
 KV_HEAD_AXIS: dict[str, int | None] = {
-    **dict.fromkeys(
-        [
-            "k_codes",
-            "k_scale",
-            "k_zero",
-            "v_codes",
-            "v_scale",
-            "v_zero",
-            "k_residual",
-            "v_residual",
-        ],
-        1,
-    ),
+    **dict.fromkeys(_KIVI_ARRAYS, 1),
     **dict.fromkeys([f.name for f in dataclasses.fields(MixedState)], 1),
     "k": 2,  # FullCache, token-major
     "v": 2,
