@@ -81,7 +81,7 @@ SHAPES = [
     Shape(model=m, q_heads=hq, kv_heads=hk, head_dim=d, batch=b, context=t)
     for m, (hq, hk, d) in MODELS.items()
     for b, t in BATCH_CONTEXT
-]
+] + [Shape(model="Llama-3-8B", q_heads=32, kv_heads=8, head_dim=128, batch=4, context=65536)]
 
 
 def bf16_bytes(s: Shape) -> int:
@@ -107,6 +107,61 @@ def kivi_bytes(s: Shape, bits: int) -> int:
         + (length - pv) * d * 2  # value residual
     )
     return s.batch * s.kv_heads * per_head + 2 * s.batch * s.q_heads * d * 2
+
+
+# kivi2-mix (kivi_jax.KIVI2_MIX): KIVI-2 with sinks, sliding keys, fine key channels and heavy
+# tokens, read by the same kernels (pallas_kernels/decode_attention/mixed.py).
+MIX = dict(sinks=4, fine_key_channels=16, heavy_tokens=32)
+
+
+def mix_bytes(s: Shape) -> int:
+    """What a kivi2-mix step must read: KIVI-2's codes, scales and zero points of the keys of
+    [0, Pv) (sliding keys) and values of [0, Pv), both rings, the fine channels' low codes and
+    indices, and the sinks' and heavy tokens' keys and values."""
+    length, d = s.context, s.head_dim
+    pv = max(length - RESIDUAL, 0)
+    groups = -(-pv // GROUP)
+    f, n_side = MIX["fine_key_channels"], MIX["sinks"] + MIX["heavy_tokens"]
+    per_head = (
+        pv * d * 2 // 8 + groups * d * 2 * 2  # keys
+        + pv * d * 2 // 8 + pv * (d // GROUP) * 2 * 2  # values
+        + 2 * min(length, RESIDUAL) * d * 2  # rings
+        + pv * f * 2 // 8 + groups * f  # fine codes and channels
+        + n_side * 2 * d * 2  # sinks, heavy tokens
+    )  # fmt: skip
+    return s.batch * s.kv_heads * per_head + 2 * s.batch * s.q_heads * d * 2
+
+
+def mix_states(key, s: Shape):
+    """Random kivi2-mix states: random KIVI-2 states (`kivi_states`) with random side storage
+    (fine channels distinct per group, heavy tokens at distinct positions below Pv)."""
+    from kivi_jax.cache import MixedState
+
+    b, h, c, d = s.batch, s.kv_heads, s.context, s.head_dim
+    f, n, sinks = MIX["fine_key_channels"], MIX["heavy_tokens"], MIX["sinks"]
+    out = []
+    for i, state in enumerate(kivi_states(key, s, 2)):
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + i), 7)
+        nrm = lambda k, shape: jax.random.normal(k, shape, jnp.bfloat16)
+
+        def distinct(k, m: int, width: int, lead):
+            """m sorted distinct ints of [0, width) per index of `lead`."""
+            return jnp.sort(jax.random.uniform(k, (*lead, width)).argsort(-1)[..., :m], -1)
+
+        pos = sinks + distinct(ks[5], n, max(c - RESIDUAL - sinks, n), (b, h))
+        side = MixedState(
+            sink_k=nrm(ks[0], (b, h, sinks, d)),
+            sink_v=nrm(ks[1], (b, h, sinks, d)),
+            fine_codes=jax.random.bits(ks[2], (b, h, c // 4, f), jnp.uint8),
+            fine_channels=distinct(ks[3], f, d, (b, h, c // GROUP)).astype(jnp.uint8),
+            heavy_k=nrm(ks[4], (b, h, n, d)),
+            heavy_v=nrm(ks[6], (b, h, n, d)),
+            heavy_pos=pos.astype(jnp.int32),
+            heavy_score=jnp.zeros((b, h, n), jnp.float32),
+            ring_score=None,
+        )
+        out.append(dict(state, side=side))
+    return out
 
 
 def _copies(nbytes: int) -> int:
@@ -221,15 +276,17 @@ def kivi_states(key, s: Shape, bits: int):
     return out
 
 
-def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False):
+def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False, mix=False):
+    """A step over `kivi_states` (or, with `mix`, `mix_states`: GPU only)."""
     kernel = (
         kivi_decode_attention_tpu if isinstance(tuning, TpuTuning) else kivi_decode_attention_gpu
     )
+    window = dict(sliding_keys=True) if mix else {}
 
     def step(q, state):
         return kernel(
             q, **state, k_bits=bits, v_bits=bits, group_size=GROUP, residual_length=RESIDUAL,
-            tuning=tuning, interpret=interpret,
+            tuning=tuning, interpret=interpret, **window,
         )  # fmt: skip
 
     return step
@@ -298,12 +355,20 @@ def bench_shape(
         states = kivi_states(key, s, bits)
         record(f"kivi{bits}", kivi_bytes(s, bits), kivi_step(bits, tuning, interpret), (qs, states))
         del states
+    if not isinstance(tuning, TpuTuning):  # the TPU kernel does not read a mixed state
+        states = mix_states(key, s)
+        step = kivi_step(2, tuning, interpret, mix=True)
+        record("kivi2-mix", mix_bytes(s), step, (qs, states))
+        del states
+        mix, plain = row["methods"]["kivi2-mix"], row["methods"].get("kivi2", {})
+        if "us" in mix and "us" in plain:
+            mix["vs_kivi2"] = mix["us"] / plain["us"]
     for key_, speedup in (("us", "speedup"), ("host_us", "host_speedup")):
         base = [m[key_] for k, m in row["methods"].items() if k in BF16_METHODS and key_ in m]
         if base:
             row[f"best_bf16_{key_}"] = min(base)
-            for bits in (2, 4):
-                m = row["methods"].get(f"kivi{bits}", {})
+            for name in ("kivi2", "kivi4", "kivi2-mix"):
+                m = row["methods"].get(name, {})
                 if key_ in m:
                     m[speedup] = min(base) / m[key_]
     return row
@@ -526,6 +591,24 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"{m['GB_per_s']:.0f} | {m['pct_peak']:.1f} | {m['floor_us']:.1f} | {sp} | "
                 f"{hsp} |"
             )
+    mixes = [
+        (row["shape"], row["methods"]["kivi2"]["us"], row["methods"]["kivi2-mix"])
+        for row in result["rows"]
+        if "vs_kivi2" in row["methods"].get("kivi2-mix", {})
+    ]
+    if mixes:
+        lines += [
+            "",
+            "## kivi2-mix against KIVI-2",
+            "",
+            "kivi2-mix (`KIVI2_MIX`: 4 sinks, sliding keys, 16 fine key channels, 32 heavy "
+            "tokens) through the same kernels, its logits edited between them "
+            "(`pallas_kernels/decode_attention/mixed.py`); target: at most 1.25x KIVI-2's time.",
+            "",
+            "| shape | KIVI-2 µs | kivi2-mix µs | kivi2-mix / KIVI-2 |",
+            "|---|---:|---:|---:|",
+            *(f"| {n} | {k2:.1f} | {m['us']:.1f} | {m['vs_kivi2']:.2f}x |" for n, k2, m in mixes),
+        ]
     if result.get("kernels"):
         lines += [
             "",

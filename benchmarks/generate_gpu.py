@@ -93,11 +93,24 @@ MODELS = {
     ),
 }  # fmt: skip
 PAUSE_S = 0.3  # host pause between the traced programs (the trace splits runs at half of it)
+# Both models at four settings, kivi2-mix beside KIVI-2 at 2048 + 128; then 32768 + 128 at
+# batch 8 (Llama-2-7B's full cache, 128 GB, does not fit an H200) and Llama-3-8B (GQA) at
+# 131072 + 128, batch 1.
+_KVS = ("full", "kivi2", "kivi4")
 DEFAULT_ROWS = [
     f"{model}:{kv}:{batch}:{setting}"
     for model in ("Llama-2-7B", "Llama-3-8B")
-    for setting, batch in [("2048+128", 16), ("4096+256", 16), ("160+338", 16), ("160+338", 96)]
-    for kv in ("full", "kivi2", "kivi4")
+    for setting, batch, kvs in [
+        ("2048+128", 16, (*_KVS, "kivi2-mix")),
+        ("4096+256", 16, _KVS),
+        ("160+338", 16, _KVS),
+        ("160+338", 96, _KVS),
+    ]
+    for kv in kvs
+] + [
+    *(f"Llama-2-7B:{kv}:8:32768+128" for kv in ("kivi2", "kivi2-mix")),
+    *(f"Llama-3-8B:{kv}:8:32768+128" for kv in (*_KVS, "kivi2-mix")),
+    *(f"Llama-3-8B:{kv}:1:131072+128" for kv in _KVS),
 ]
 
 
@@ -167,18 +180,24 @@ def weight_bytes_read(params) -> int:
 def cache_bytes_read(row: Row, length: int) -> int:
     """Bytes the attention of one step must read over all layers with every row at `length`
     tokens: K and V in bf16 for the full cache; for KIVI the codes, the 16-bit scales and zero
-    points of the quantized tokens and the full-precision residual (KIVI.md's state)."""
+    points of the quantized tokens and the full-precision residual (KIVI.md's state), and for a
+    mixed state (kivi2-mix) its keys read from the ring from Pv on (sliding keys), the fine
+    channels' low codes and indices and the sinks' and heavy tokens' keys and values."""
     c = row.config
     per_head = 2 * length * c.head_dim * 2
     cfg = resolve_kv(row.kv)
     if cfg is not None:
         g, r, d = cfg.group_size, cfg.residual_length, c.head_dim
-        qk, pv = length - length % r, max(length - r, 0)
+        pv = max(length - r, 0)
+        qk = pv if cfg.sliding_keys else length - length % r
+        f = cfg.fine_key_channels
         per_head = (
             (qk * cfg.k_bits + pv * cfg.v_bits) * d // 8
             + (qk + pv) * d // g * 2 * 2
             + ((length - qk) + (length - pv)) * d * 2
-        )
+            + qk * f * cfg.k_bits // 8 + -(-qk // g) * f  # fine codes and channels
+            + (cfg.sinks + cfg.heavy_tokens) * 2 * d * 2
+        )  # fmt: skip
     return c.num_layers * row.batch * c.num_kv_heads * per_head
 
 

@@ -88,10 +88,9 @@ def decode_attention(
       cache: one layer's KiviCache or FullCache, already holding this step's key and value.
       impl: "reference" (plain jnp), "pallas" (the fused GPU kernel; an error where it does not
         support the configuration), "pallas_tpu" (the fused TPU kernel, likewise) or "auto":
-        on a GPU the fused kernel for a KiviCache it supports and cuDNN's attention for a
-        bfloat16/float16 FullCache, on a TPU the TPU kernel where it applies, else the
-        reference. A mixed-precision cache (`config.mixed`, e.g. kivi2-mix) always goes to
-        the reference: neither kernel supports it yet.
+        on a GPU the fused kernels for a KiviCache they support (plain or mixed-precision,
+        e.g. kivi2-mix) and cuDNN's attention for a bfloat16/float16 FullCache, on a TPU the
+        TPU kernel where it applies (plain KIVI only), else the reference.
       interpret: run a Pallas kernel in interpret mode (CPU tests).
 
     Returns:

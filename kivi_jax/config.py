@@ -66,7 +66,8 @@ class KiviConfig:
 
     @property
     def mixed(self) -> bool:
-        """Whether any mixed-precision feature is on (the fused kernels support none yet)."""
+        """Whether any mixed-precision feature is on (the TPU kernel and the fused append
+        kernel read none of them; the GPU decode kernels read all)."""
         return bool(self.sinks or self.sliding_keys or self.fine_key_channels or self.heavy_tokens)
 
     @property

@@ -30,6 +30,13 @@ if not _CUDA:
     ).strip()
 
 
+@pytest.fixture(scope="module")
+def slow_only(request):
+    """Skips unless slow tests were asked for (`pytest -m slow`): full grids, larger sweeps."""
+    if "slow" not in request.config.getoption("markexpr"):
+        pytest.skip("a full grid or larger sweep: run with `pytest -m slow`")
+
+
 @pytest.fixture
 def rng(request):
     """A numpy Generator seeded from the test's name: fresh data per test, reproducible runs."""
@@ -64,6 +71,49 @@ def streamed_cache(rng, *, config, H, D, max_len, prompts, steps, dtype):
         vt = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
         cache = kivi_jax.append(cache, kt, vt)
     return cache
+
+
+def _rounded_reference(q, cache, dtype, k, v):
+    """softmax(q.K/sqrt(D)) V with K, V, q/sqrt(D) and p rounded to `dtype` (float32 otherwise);
+    k, v [B, H, C, D] the cache dequantized."""
+    rnd = lambda x: np.asarray(jnp.asarray(x, dtype), np.float32)
+    k, v = np.asarray(k), np.asarray(v)
+    q = np.asarray(q, np.float32)
+    B, Hq, D = q.shape
+    n_rep = Hq // k.shape[1]
+    out = np.zeros((B, Hq, D), np.float32)
+    for b, length in enumerate(np.asarray(cache.lengths)):
+        if length == 0:
+            continue
+        for h in range(Hq):
+            kk, vv = k[b, h // n_rep, :length], v[b, h // n_rep, :length]
+            s = rnd(kk) @ rnd(q[b, h] / np.sqrt(D))
+            p = np.exp(s - s.max())
+            out[b, h] = (rnd(p) @ rnd(vv)) / p.sum()
+    return out
+
+
+def assert_matches_reference(out, q, cache):
+    """A fused kernel's output `out` for q [B, Hq, D] over `cache` against the float32
+    reference (tests/test_decode_attention_kernel.py, module doc): q's shape and dtype, finite,
+    zeros for empty rows, and at most about twice as far from the reference as a plain
+    implementation in q's dtype, plus a few units of roundoff of the values' scale."""
+    import kivi_jax
+    from kivi_jax.cache import dequantized_heads_major
+
+    dtype = q.dtype
+    assert out.shape == q.shape and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    # jitted: one compilation each, not one per operation (a mixed state's dequantization)
+    ref = np.asarray(jax.jit(kivi_jax.decode_attention_reference)(q.astype(jnp.float32), cache))
+    k, v = jax.jit(dequantized_heads_major)(cache)
+    ref_lo = _rounded_reference(q, cache, dtype, k, v)
+    u = float(jnp.finfo(dtype).eps) / 2
+    tol = 2 * np.abs(ref_lo - ref).max() + 4 * u * max(float(jnp.abs(v).max()), 1.0)
+    err = np.abs(out - ref)
+    assert err.max() <= tol, f"max err {err.max():.3g} > tol {tol:.3g}"
+    assert (out[np.asarray(cache.lengths) == 0] == 0).all()
 
 
 def random_layout_cache(rng, *, capacity, residual_length, lengths, zero_value_scales=0):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from conftest import prefill_then_appends, random_kv, tree_equal
 from hypothesis import given, settings
-from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
 import kivi_jax as kj
 from kivi_jax import quantization as qz
@@ -211,19 +210,6 @@ def test_held_bits_count_the_side_storage():
         side + ring_scores
     )
     assert held.total_bits == held.code_bits + held.scale_zero_bits + held.residual_bits + side
-
-
-def test_the_fused_kernels_name_the_mixed_state_and_auto_uses_the_reference(rng):
-    cache = _cache(kj.KIVI2_MIX, heads=2, head_dim=64, dtype=jnp.bfloat16, max_len=300)
-    k, v = random_kv(rng, 1, 200, 2, 64, jnp.bfloat16)
-    q = _queries(rng, 1, 200, 4, 64).astype(jnp.bfloat16)
-    cache = kj.prefill(cache, k, v, q=q)
-    for module in (gpu, tpu):
-        assert "mixed-precision state" in module.unsupported_reason(q[:, -1], cache)
-    with pytest.raises(NotImplementedError, match="kivi2-mix"):
-        kj.decode_attention(q[:, -1], cache, impl="pallas", interpret=True)
-    ref = kj.decode_attention(q[:, -1], cache, impl="reference")
-    np.testing.assert_array_equal(kj.decode_attention(q[:, -1], cache), ref)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_layout_cache, streamed_cache, triton_modules
+from conftest import assert_matches_reference, random_layout_cache, streamed_cache, triton_modules
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     decode_attention_pallas,
@@ -59,7 +59,6 @@ from kivi_jax.pallas_kernels.decode_attention.gpu import (
 )
 
 import kivi_jax
-from kivi_jax.cache import dequantized_heads_major
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -240,40 +239,9 @@ def test_splits_merge_into_one_softmax(rng, S):
     assert not np.asarray(out[3]).any()
 
 
-def _rounded_reference(q, cache, dtype):
-    """softmax(q.K/sqrt(D)) V with K, V, q/sqrt(D) and p rounded to `dtype` (float32 otherwise)."""
-    rnd = lambda x: np.asarray(jnp.asarray(x, dtype), np.float32)
-    k, v = (np.asarray(x) for x in dequantized_heads_major(cache))  # [B, H, C, D]
-    q = np.asarray(q, np.float32)
-    B, Hq, D = q.shape
-    n_rep = Hq // k.shape[1]
-    out = np.zeros((B, Hq, D), np.float32)
-    for b, length in enumerate(np.asarray(cache.lengths)):
-        if length == 0:
-            continue
-        for h in range(Hq):
-            kk, vv = k[b, h // n_rep, :length], v[b, h // n_rep, :length]
-            s = rnd(kk) @ rnd(q[b, h] / np.sqrt(D))
-            p = np.exp(s - s.max())
-            out[b, h] = (rnd(p) @ rnd(vv)) / p.sum()
-    return out
-
-
 def _check(q, cache, *, interpret, tuning=None):
-    dtype = q.dtype
     out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or KernelTuning())
-    assert out.shape == q.shape and out.dtype == q.dtype
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    ref = np.asarray(kivi_jax.decode_attention_reference(q.astype(jnp.float32), cache))
-    ref_lo = _rounded_reference(q, cache, dtype)
-    _, v = dequantized_heads_major(cache)
-    u = float(jnp.finfo(dtype).eps) / 2
-    tol = 2 * np.abs(ref_lo - ref).max() + 4 * u * max(float(jnp.abs(v).max()), 1.0)
-    err = np.abs(out - ref)
-    assert err.max() <= tol, f"max err {err.max():.3g} > tol {tol:.3g}"
-    lengths = np.asarray(cache.lengths)
-    assert (out[lengths == 0] == 0).all()
+    assert_matches_reference(out, q, cache)
 
 
 def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, H, max_len, prompts, steps, R):

@@ -62,13 +62,6 @@ from kivi_jax.cache import dequantized_heads_major
 SMALL = TpuTuning(block_tokens=1024, chunk_tokens=512)
 
 
-@pytest.fixture
-def slow_only(request):
-    """Skips unless slow tests were asked for (`pytest -m slow`)."""
-    if "slow" not in request.config.getoption("markexpr"):
-        pytest.skip("the full grid: run with `pytest -m slow`")
-
-
 def _unpack_in_kernel(fn, arrays, out_shape):
     """Runs fn(*refs) -> array in a one-step TPU-interpreted pallas_call over whole arrays."""
 

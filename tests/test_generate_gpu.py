@@ -31,7 +31,7 @@ def _teacher_forced_logits(params, kv, impl, monkeypatch):
     return teacher_forced_logits(params, kv, steps=140, max_len=MAX_LEN)
 
 
-@pytest.mark.parametrize("kv", ["kivi2", "kivi4"])
+@pytest.mark.parametrize("kv", ["kivi2", "kivi4", "kivi2-mix"])
 def test_decode_with_the_kernel_matches_the_reference(monkeypatch, kv):
     params = tiny_params(dtype=jnp.bfloat16, head_dim=64, max_context=MAX_LEN)
     reference = _teacher_forced_logits(params, kv, "reference", monkeypatch)

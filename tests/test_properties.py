@@ -23,14 +23,6 @@ from tiny_model import tiny_params
 
 import kivi_jax as kj
 
-
-@pytest.fixture(scope="module")
-def slow_only(request):
-    """Skips unless slow tests were asked for (`pytest -m slow`): the larger sweeps."""
-    if "slow" not in request.config.getoption("markexpr"):
-        pytest.skip("a larger sweep: run with `pytest -m slow`")
-
-
 # Two configs (plain, and every mixed-precision part with ERROR selection, for which prefill
 # equals appends bit-identically), one shape: few compilations.
 CONFIGS = {

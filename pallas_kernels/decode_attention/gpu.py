@@ -81,6 +81,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     gqa_scores,
     gqa_values,
     loops,
+    mixed,
     ptx,
     residual,
     state,
@@ -908,6 +909,7 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, 
         "v_bits",
         "group_size",
         "residual_length",
+        "sliding_keys",
         "sm_scale",
         "tuning",
         "interpret",
@@ -924,16 +926,20 @@ def kivi_decode_attention_gpu(
     k_residual,  # [B, H, R, D]
     v_residual,  # [B, H, R, D]
     lengths,  # int32 [B]
+    side=None,  # the MixedState of a mixed-precision state (kivi_jax.cache), else None
     *,
     k_bits: int,
     v_bits: int,
     group_size: int,
     residual_length: int,
+    sliding_keys: bool = False,
     sm_scale: float | None = None,
     tuning: GpuTuning = GpuTuning(),
     interpret: bool = False,
 ):
-    """Decode attention over a KIVI state with the CUDA-core kernels -> [B, Hq, D]."""
+    """Decode attention over a KIVI state with the GPU kernels -> [B, Hq, D]. A mixed state
+    (`side`, `sliding_keys`) runs the same kernels, its logits edited between them and its
+    full-precision entries merged as one more split (`mixed`)."""
     B, Hq, D = q.shape
     _, H, C, _ = v_codes.shape
     G, R = group_size, residual_length
@@ -954,10 +960,24 @@ def kivi_decode_attention_gpu(
         q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
         tuning=tuning, **common,
     )  # fmt: skip
+    extras = None
+    if side is not None:
+        qs = q.astype(jnp.float32) * q_scale
+        window = dict(residual_length=R, sliding_keys=sliding_keys)
+        scores, block_max = mixed.edit_logits(
+            qs, scores, block_max, k_scale, k_residual, lengths, side, k_bits=k_bits,
+            group_size=G, **window,
+        )  # fmt: skip
+        extras = mixed.extras_softmax(qs, side, lengths, **window)
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
+    if extras is not None:  # one more split: the full-precision entries (no tail)
+        m_e, o_e, l_e = extras
+        m, l_sum = jnp.concatenate([m, m_e], -1), jnp.concatenate([l_sum, l_e], -1)
+        o = jnp.concatenate([o, o_e], -2)
+        o_tail = jnp.concatenate([o_tail, jnp.zeros_like(o_e)], -2)
     return _merge_splits(m, o, o_tail, l_sum).reshape(B, Hq, D).astype(q.dtype)
 
 
@@ -978,8 +998,9 @@ def _merge_splits(m, o, o_tail, l_sum):
 def unsupported_reason(q: jax.Array, cache) -> str | None:
     """None if `decode_attention_pallas(q, cache)` runs, else what it does not support."""
     return state.unsupported_reason(
-        cache, head_dim=q.shape[-1], dtype=q.dtype, supported=supported_config_reason
-    )
+        cache, head_dim=q.shape[-1], dtype=q.dtype, supported=supported_config_reason,
+        reads_mixed=True,
+    )  # fmt: skip
 
 
 def decode_attention_pallas(
@@ -990,4 +1011,7 @@ def decode_attention_pallas(
     if reason is not None:
         raise NotImplementedError(f"impl='pallas': {reason}")
     arrays, config = state.kernel_args(cache)
-    return kivi_decode_attention_gpu(q, *arrays, **config, tuning=tuning, interpret=interpret)
+    side, window = state.mixed_args(cache)
+    return kivi_decode_attention_gpu(
+        q, *arrays, *side, **config, **window, tuning=tuning, interpret=interpret
+    )

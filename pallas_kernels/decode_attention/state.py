@@ -5,25 +5,26 @@ from __future__ import annotations
 import jax
 
 
-def cache_reason(cache) -> str | None:
-    """None if a fused kernel can read `cache` (a plain KiviCache: no mixed-precision side
-    storage), else a sentence saying why not."""
+def cache_reason(cache, *, reads_mixed: bool) -> str | None:
+    """None if a fused kernel can read `cache` (a KiviCache; one with mixed-precision side
+    storage only where `reads_mixed`), else a sentence saying why not."""
     from kivi_jax.cache import KiviCache  # imported here: kivi_jax imports the kernels lazily
 
     if not isinstance(cache, KiviCache):
         return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
-    if cache.config.mixed:
+    if cache.config.mixed and not reads_mixed:
         return (
-            "the fused kernels do not support the mixed-precision state yet (kivi2-mix: sinks, "
-            "sliding keys, fine key channels, heavy tokens); impl='auto' uses the reference"
+            "the TPU kernel does not read the mixed-precision state (kivi2-mix: sinks, sliding "
+            "keys, fine key channels, heavy tokens): its one fused pass would need them inside "
+            "(docs/design.md); impl='auto' uses the reference there"
         )
     return None
 
 
-def unsupported_reason(cache, *, head_dim: int, dtype, supported) -> str | None:
+def unsupported_reason(cache, *, head_dim: int, dtype, supported, reads_mixed: bool) -> str | None:
     """None if a kernel whose `supported(k_bits=, v_bits=, group_size=, head_dim=, dtype=)`
     accepts the cache's configuration can read `cache`, else what it does not support."""
-    reason = cache_reason(cache)
+    reason = cache_reason(cache, reads_mixed=reads_mixed)
     if reason is not None:
         return reason
     cfg = cache.config
@@ -56,3 +57,11 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
         group_size=cfg.group_size,
         residual_length=cfg.residual_length,
     )
+
+
+def mixed_args(cache) -> tuple[tuple, dict]:
+    """What the GPU kernels read of a mixed state beyond `kernel_args`: ((side,), dict(
+    sliding_keys=...)), or ((), {}) for a plain state."""
+    if cache.side is None:
+        return (), {}
+    return (cache.side,), dict(sliding_keys=cache.config.sliding_keys)

@@ -443,8 +443,9 @@ def kivi_decode_attention_tpu(
 def unsupported_reason(q: jax.Array, cache) -> str | None:
     """None if `decode_attention_pallas_tpu(q, cache)` runs, else what it does not support."""
     return state.unsupported_reason(
-        cache, head_dim=q.shape[-1], dtype=cache.dtype, supported=supported_config_reason
-    )
+        cache, head_dim=q.shape[-1], dtype=cache.dtype, supported=supported_config_reason,
+        reads_mixed=False,
+    )  # fmt: skip
 
 
 def decode_attention_pallas_tpu(
