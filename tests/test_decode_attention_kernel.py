@@ -23,6 +23,7 @@ scale: that test checks that the option computes the right thing, not its precis
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -353,8 +354,11 @@ def test_last_score_program_holds_the_rest_interpret(rng, stages):
     """A capacity of 10 key groups in score programs of 4: the programs hold groups 0-3, 4-7
     and 8-9 (the last one's blocks reach past the capacity); final lengths end in each
     program, in the last one's second group and at the capacity; the register prefetch (1
-    stage, two tiles ahead) and the plain loop Triton pipelines (3)."""
-    tuning = KernelTuning(score_program_groups=4, num_splits=2, score_stages=stages, prefetch=2)
+    stage, two tiles ahead) and the plain loop Triton pipelines (3). The CUDA-core kernels,
+    whose score programs these are (n_rep = 2)."""
+    tuning = KernelTuning(
+        score_program_groups=4, num_splits=2, score_stages=stages, prefetch=2, **CC
+    )
     assert score_tiles(tuning, capacity=320, group_size=32, head_dim=64, k_bits=2)[:2] == (4, 2)
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=320,
@@ -421,16 +425,18 @@ def test_random_layout_state_interpret(rng):
     ],
 )
 def test_kernel_variants_interpret(rng, tuning):
+    """The CUDA-core kernels, whose tiles these fields shape, with GQA (n_rep = 3: the
+    tensor-core kernels' own tilings are in test_gqa_scores.py and test_gqa_values.py)."""
     q, cache = _case(
         rng, k_bits=2, v_bits=4, D=64, n_rep=3, dtype=jnp.bfloat16, H=2, max_len=384,
         prompts=[384 - 3, 250], steps=3, R=64,
     )  # fmt: skip
-    _check(q, cache, interpret=True, tuning=tuning)
+    _check(q, cache, interpret=True, tuning=dataclasses.replace(tuning, **CC))
 
 
 def test_dispatch(rng):
-    q, cache = _case(
-        rng, k_bits=2, v_bits=2, D=64, n_rep=2, dtype=jnp.bfloat16, H=2, max_len=128,
+    q, cache = _case(  # MHA: the cheapest kernels to interpret (dispatch is what is tested)
+        rng, k_bits=2, v_bits=2, D=64, n_rep=1, dtype=jnp.bfloat16, H=2, max_len=128,
         prompts=[100, 40], steps=1, R=64,
     )  # fmt: skip
     ref = kivi_jax.decode_attention(q, cache, impl="reference")
@@ -525,8 +531,6 @@ def test_bad_tunings_are_named(fields, match):
 def test_gpu_tuning_holds_what_a_user_sets_and_the_kernels_the_settled_tiles():
     """GpuTuning: at most 8 fields; the tile sizes are KernelTuning's, which the kernels run
     with (a GpuTuning's fields and the settled tiles)."""
-    import dataclasses
-
     from kivi_jax.pallas_kernels.decode_attention.gpu import kernel_tuning
 
     assert len(dataclasses.fields(GpuTuning)) <= 8
