@@ -2,7 +2,8 @@
 
 One process, one GPU. For each shape (heads of Llama-2-7B, Llama-3-8B and Llama-3-70B; batch x
 context) it
-times KIVI-2 and KIVI-4 (the Pallas-Triton kernel, split merge included) and two bf16 baselines
+times KIVI-2, KIVI-4 and kivi2-mix (the Pallas-Triton kernels, split merge included; kivi2-mix
+with its logits edited between them) and two bf16 baselines
 over the same context: cuDNN through ``jax.nn.dot_product_attention(implementation="cudnn")``
 and a plain XLA einsum. Every timing runs ``calls`` decode steps on different queries (and,
 where one cache would fit in L2, different caches) inside one jit; the median over ``repeats``

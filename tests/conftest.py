@@ -30,6 +30,34 @@ if not _CUDA:
     ).strip()
 
 
+def _memory_maps() -> int:
+    """This process's memory mappings (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+# XLA's CPU backend keeps about a thousand memory mappings per compiled interpret-mode kernel
+# while jax caches the program; past the kernel's limit (vm.max_map_count, 65,530 here) LLVM
+# fails to allocate ("Cannot allocate memory") and the worker aborts. One xdist worker runs
+# dozens of kernel tests (test_decode_attention_kernel.py alone ends at ~30,000 mappings), so
+# after a test module that leaves more than this many the caches are cleared (later modules
+# compile their programs again; within a module nothing changes).
+_MAX_MAPS = 15_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    if _memory_maps() > _MAX_MAPS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="module")
 def slow_only(request):
     """Skips unless slow tests were asked for (`pytest -m slow`): full grids, larger sweeps."""
