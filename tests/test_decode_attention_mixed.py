@@ -4,8 +4,8 @@ States are real (prefill, and decode appends): sinks, sliding keys, fine key cha
 heavy tokens with the key and value bits, head_dim, GQA (n_rep 1, 3, 4, 8) and dtype, in Pallas
 interpret mode. CI runs a few cases that together take every value of every factor and each
 mixed part on and off, on both GQA kernel pairs (an interpreted case costs 5-16 s of
-compilation on 2 cores); a pairwise cover (every pair of two factors' values in some case)
-and the full grid run under `-m slow`, compiled on a GPU under `-m gpu`. The tolerance is the
+compilation on 2 cores); the full grid runs under `-m slow` (`-k pairwise`: a cover with
+every pair of two factors' values in some case, first), compiled on a GPU under `-m gpu`. The tolerance is the
 plain kernels' (`conftest.assert_matches_reference`): the reference reads the same state,
 dequantized with its sinks, heavy tokens and fine channels put in
 (kivi_jax.cache.dequantized_heads_major).
@@ -90,15 +90,6 @@ _PAIRWISE = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(_NAMES, _PAIRWISE)
-def test_mixed_state_pairwise_interpret(
-    rng, slow_only, n_rep, bits, D, dtype, sinks, fine, heavy, sliding, lengths
-):
-    cfg = _config(bits, sinks=sinks, fine=fine, heavy=heavy, sliding=sliding)
-    _check(rng, cfg, D=D, n_rep=n_rep, dtype=dtype, lengths=lengths)
-
-
 _FULL = [
     (n_rep, bits, D, dtype, sinks, fine, heavy, sliding, lengths)
     for n_rep, bits, D, dtype, sinks, fine, heavy, sliding, lengths in itertools.product(
@@ -116,8 +107,13 @@ _FULL = [
 ]
 
 
+# `-m slow -k pairwise` runs the cover alone.
+_SLOW = [pytest.param(*c, id=f"pairwise{i}") for i, c in enumerate(_PAIRWISE)]
+_SLOW += [c for c in _FULL if c not in _PAIRWISE]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(_NAMES, _FULL)
+@pytest.mark.parametrize(_NAMES, _SLOW)
 def test_mixed_state_full_grid_interpret(
     rng, slow_only, n_rep, bits, D, dtype, sinks, fine, heavy, sliding, lengths
 ):
