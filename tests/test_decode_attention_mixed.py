@@ -5,9 +5,9 @@ heavy tokens with the key and value bits, head_dim, GQA (n_rep 1, 3, 4, 8) and d
 interpret mode. CI runs a few cases that together take every value of every factor and each
 mixed part on and off, on both GQA kernel pairs (an interpreted case costs 5-16 s of
 compilation on 2 cores); the full grid runs under `-m slow` (`-k pairwise`: a cover with
-every pair of two factors' values in some case, first), compiled on a GPU under `-m gpu`. The tolerance is the
-plain kernels' (`conftest.assert_matches_reference`): the reference reads the same state,
-dequantized with its sinks, heavy tokens and fine channels put in
+every pair of two factors' values in some case, first), compiled on a GPU under `-m gpu`.
+The tolerance is the plain kernels' (`conftest.assert_matches_reference`): the reference reads
+the same state, dequantized with its sinks, heavy tokens and fine channels put in
 (kivi_jax.cache.dequantized_heads_major).
 
 Final lengths per row, two sets (R = 64, G = 32, S = 4):

@@ -14,9 +14,8 @@ def cache_reason(cache, *, reads_mixed: bool) -> str | None:
         return f"the fused kernel reads a KiviCache, not a {type(cache).__name__}"
     if cache.config.mixed and not reads_mixed:
         return (
-            "the TPU kernel does not read the mixed-precision state (kivi2-mix: sinks, sliding "
-            "keys, fine key channels, heavy tokens): its one fused pass would need them inside "
-            "(docs/design.md); impl='auto' uses the reference there"
+            "this kernel does not read a mixed-precision state (kivi2-mix: sinks, sliding keys, "
+            "fine key channels, heavy tokens; docs/design.md); impl='auto' uses the reference"
         )
     return None
 
