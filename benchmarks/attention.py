@@ -277,7 +277,7 @@ def kivi_states(key, s: Shape, bits: int):
     return out
 
 
-def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False, mix=False):
+def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False, mix: bool = False):
     """A step over `kivi_states` (or, with `mix`, `mix_states`: GPU only)."""
     kernel = (
         kivi_decode_attention_tpu if isinstance(tuning, TpuTuning) else kivi_decode_attention_gpu

@@ -964,17 +964,17 @@ def kivi_decode_attention_gpu(
     if side is not None:
         qs = q.astype(jnp.float32) * q_scale
         window = dict(residual_length=R, sliding_keys=sliding_keys)
+        extras = mixed.extra_entries(side, lengths, **window)
         scores, block_max = mixed.edit_logits(
-            qs, scores, block_max, k_scale, k_residual, lengths, side, k_bits=k_bits,
+            qs, scores, block_max, k_scale, k_residual, lengths, side, extras, k_bits=k_bits,
             group_size=G, **window,
         )  # fmt: skip
-        extras = mixed.extras_softmax(qs, side, lengths, **window)
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
     if extras is not None:  # one more split: the full-precision entries (no tail)
-        m_e, o_e, l_e = extras
+        m_e, o_e, l_e = mixed.extras_softmax(qs, extras)
         m, l_sum = jnp.concatenate([m, m_e], -1), jnp.concatenate([l_sum, l_e], -1)
         o = jnp.concatenate([o, o_e], -2)
         o_tail = jnp.concatenate([o_tail, jnp.zeros_like(o_e)], -2)

@@ -80,20 +80,21 @@ def _ring_tokens(lengths, residual_length: int):
     return pv + (slot - pv) % residual_length
 
 
-def key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
+def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
     """Qx [B]: the first token whose key the cache reads from the ring."""
     pv = jnp.maximum(lengths - residual_length, 0)
     return pv if sliding_keys else lengths - lengths % residual_length
 
 
-def _extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
+def extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
     """The full-precision entries that replace quantized ones: (keys, values [B, H, E, D],
-    positions int32 [B, H, E], used bool [B, H, E]), E = sinks + heavy slots; None if none."""
+    positions int32 [B, H, E], used bool [B, H, E]), E = sinks + heavy slots; None if the
+    state has no sinks and no heavy tokens."""
     ks, vs, pos, used = [], [], [], []
     B = lengths.shape[0]
     if side.sink_k is not None:
         _, H, S, _ = side.sink_k.shape
-        qx = key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
+        qx = _key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
         t = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
         ks.append(side.sink_k)
         vs.append(side.sink_v)
@@ -111,13 +112,14 @@ def _extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
 
 
 def edit_logits(
-    qs, scores, block_max, k_scale, k_residual, lengths, side, *, k_bits: int,
+    qs, scores, block_max, k_scale, k_residual, lengths, side, extras, *, k_bits: int,
     group_size: int, residual_length: int, sliding_keys: bool,
 ):  # fmt: skip
     """The score kernel's logits [B, H, slots, C] and maxima [B, H, slots, M] for a mixed state
     (module doc): fine channels added (maxima raised by their bound), the ring's exact logits
-    in [Pv, Qk) with sliding keys, -inf at the sinks' and heavy tokens' positions. qs: f32
-    [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep unused)."""
+    in [Pv, Qk) with sliding keys, -inf at the positions of `extras` (`extra_entries`) in use.
+    qs: f32 [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep
+    unused)."""
     B, H, slots, C = scores.shape
     n_rep = qs.shape[2]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, slots - n_rep)] + [(0, 0)] * (x.ndim - 3))
@@ -136,9 +138,6 @@ def edit_logits(
         at = jnp.where((tok < qk) & (tok < lengths[:, None]), tok, C)[:, None, :]  # C: dropped
         new = jnp.moveaxis(pad(ring_logits(qs, k_residual)), 2, 3)  # [B, H, R, slots]
         scores = scores.at[b, h, :, at].set(new, mode="drop")
-    extras = _extra_entries(
-        side, lengths, residual_length=residual_length, sliding_keys=sliding_keys
-    )
     if extras is not None:
         _, _, pos, used = extras
         at = jnp.where(used, pos, C)
@@ -146,16 +145,11 @@ def edit_logits(
     return scores, block_max
 
 
-def extras_softmax(qs, side, lengths, *, residual_length: int, sliding_keys: bool):
-    """The partial softmax of the full-precision entries that replace quantized ones, in the
-    value kernels' form (one split): m [B, H, n_rep, 1] (-1e30 if none is used), sum_e
-    2**(s_e - m) v_e [B, H, n_rep, 1, D] and sum_e 2**(s_e - m) [B, H, n_rep, 1]; None if the
-    state has no sinks and no heavy tokens."""
-    extras = _extra_entries(
-        side, lengths, residual_length=residual_length, sliding_keys=sliding_keys
-    )
-    if extras is None:
-        return None
+def extras_softmax(qs, extras):
+    """The partial softmax of the full-precision entries that replace quantized ones
+    (`extra_entries`), in the value kernels' form (one split): m [B, H, n_rep, 1] (-1e30 if
+    none is used), sum_e 2**(s_e - m) v_e [B, H, n_rep, 1, D] and sum_e 2**(s_e - m)
+    [B, H, n_rep, 1]."""
     k, v, _, used = extras
     s = jnp.einsum("bhrd,bhed->bhre", qs, k.astype(jnp.float32), precision=_HI)
     s = jnp.where(used[:, :, None], s, -jnp.inf)
