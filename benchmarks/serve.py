@@ -1,5 +1,6 @@
 """Serving under load: the continuous-batching engine (kivi_jax.serving.Engine) fed a bounded
-stream of requests, for each cache at the number of slots that fits one memory budget.
+stream of requests, for each cache at the number of slots that fits one memory budget (the
+engine's own sizing, `Engine(slots=None, memory_budget=)`: docs/serving.md).
 
 Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation; "seq":
 one after another, each sent when the one before has finished), with prompt and output lengths
@@ -28,6 +29,7 @@ benchmark shapes (benchmarks/generate_gpu.py's MODELS); "default" is SmolLM2-135
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +44,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 KEY = ("mode", "model", "kv", "budget_gb", "rate")  # one row per key; later runs replace it
-WORKING_SHARE = 0.08  # of the budget, kept for the prefill's and the step's working memory
 
 
 def percentile(xs, q: float) -> float:
@@ -86,32 +87,20 @@ def load(model: str, max_len: int):
     return random_params(config, jax.random.key(0)), config.vocab_size, None
 
 
-def slots_for_budget(params, kv: str, *, max_len: int, budget_gb: float) -> dict:
-    """The slots whose state fits the budget beside the weights, the prefill scratch (a whole
-    prompt's full-precision K/V of every layer) and WORKING_SHARE of working memory."""
-    import jax
-
-    import kivi_jax
-    from kivi_jax.generate import resolve_kv
-
-    c = params.config
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    one = jax.eval_shape(
-        lambda: kivi_jax.init_cache(
-            resolve_kv(kv), batch=1, max_len=max_len, num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim, dtype=params.dtype, num_layers=c.num_layers,
-        )
-    )  # fmt: skip
-    per_slot = kivi_jax.memory_report(one).total_bytes
-    scratch = c.num_layers * 2 * max_len * c.num_kv_heads * c.head_dim * params.dtype.itemsize
-    free = (1 - WORKING_SHARE) * budget_gb * 1e9 - weights - scratch
-    if free < per_slot:
-        raise ValueError(f"{budget_gb} GB holds the weights ({weights / 1e9:.1f} GB) but no slot")
+def fit_of(engine) -> dict:
+    """The engine's memory plan (kivi_jax.serving.sizing.MemoryPlan, bytes on one device) and
+    what compiling its programs cost, for the result rows."""
+    plan = engine.memory_plan
     return dict(
-        slots=int(free // per_slot),
-        weights_gb=weights / 1e9,
-        slot_gb=per_slot / 1e9,
-        scratch_gb=scratch / 1e9,
+        slots=engine.slots,
+        limit_gb=None if plan.limit is None else plan.limit / 1e9,
+        in_use_gb=plan.in_use / 1e9,
+        slot_gb=plan.slot / 1e9,
+        scratch_gb=plan.scratch / 1e9,
+        programs_gb=plan.programs / 1e9,
+        planned_gb=plan.needed / 1e9,
+        programs=len(engine.programs),
+        compile_s=sum(p.compile_s for p in engine.programs),
     )
 
 
@@ -142,6 +131,14 @@ class LiveSlots:
         self._stop.set()
         self._thread.join()
         return float(np.mean(self.samples)) if self.samples else 0.0
+
+
+def requests_at(args, rate: float) -> int:
+    """Requests sent at `rate`: --requests, or at a finite rate with --seconds that rate's
+    arrivals over that many seconds (at most --requests)."""
+    if args.seconds is None or rate in (0, math.inf):
+        return args.requests
+    return min(args.requests, math.ceil(rate * args.seconds))
 
 
 def prompt(rng, vocab: int, n: int) -> list[int]:
@@ -273,20 +270,26 @@ def measure_kv(args) -> dict:
     params, vocab, tokenizer = load(args.model, max_len)
     if args.http and tokenizer is None:
         raise ValueError(f"--http needs a model with a tokenizer ('default'), not {args.model}")
-    fit = slots_for_budget(params, args.kv, max_len=max_len, budget_gb=args.budget_gb)
-    if args.slots:
-        fit["slots"] = args.slots
-    slots = fit["slots"]
-    print(f"{args.model} {args.kv}: {slots} slots ({fit})", file=sys.stderr, flush=True)
+    budget = int(args.budget_gb * 1e9)
 
-    def new_engine():
+    def new_engine(slots):
         return Engine(
             params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
-            max_queue=args.requests + slots,
+            max_queue=1 << 20, memory_budget=budget,
         )  # fmt: skip
 
-    engine = new_engine()
+    t0 = time.perf_counter()
+    engine = new_engine(args.slots)  # None: as many slots as fit the budget and the device
     engine.warmup()
+    warmup_s = time.perf_counter() - t0
+    fit = fit_of(engine)
+    slots = engine.slots
+    print(f"{args.model} {args.kv}: {engine.memory_plan.describe()}; {fit['programs']} programs "
+          f"compiled in {fit['compile_s']:.0f} s (warmup {warmup_s:.0f} s)", file=sys.stderr,
+          flush=True)  # fmt: skip
+    for cost in engine.programs:
+        print(f"  {cost.name}: {cost.compile_s:.1f} s, temporaries {cost.temp_bytes / 1e6:.0f} MB",
+              file=sys.stderr, flush=True)  # fmt: skip
     mean_p = sum(args.prompt_range) / 2
     mean_o = sum(args.output_range) / 2
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
@@ -315,7 +318,12 @@ def measure_kv(args) -> dict:
     rows = []
     workloads = {
         rate: workload(
-            args.requests, rate, args.prompt_range, args.output_range, args.seed, args.lengths
+            requests_at(args, rate),
+            rate,
+            args.prompt_range,
+            args.output_range,
+            args.seed,
+            args.lengths,
         )
         for rate in args.rates
     }
@@ -324,14 +332,16 @@ def measure_kv(args) -> dict:
             m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s,
                          sequential=rate == 0)  # fmt: skip
             rows.append(_row(args, "engine", rate, m, fit, rates))
+    programs = [dataclasses.asdict(cost) for cost in engine.programs]
     if args.http:  # the same loads through kivi-serve's app (a new engine: programs cached)
         del engine
-        with HttpServer(new_engine(), tokenizer, max_len) as server:
+        with HttpServer(new_engine(slots), tokenizer, max_len) as server:
             for rate, reqs in workloads.items():
                 m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s,
                                   sequential=rate == 0)  # fmt: skip
                 rows.append(_row(args, "http", rate, m, fit, rates))
-    return dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind)
+    return dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind,
+                programs=programs, warmup_s=warmup_s)  # fmt: skip
 
 
 class HttpServer:
@@ -572,6 +582,7 @@ def main_parser() -> argparse.ArgumentParser:
     q.add_argument("--prompt-range", type=int, nargs=2, default=[512, 2048])
     q.add_argument("--output-range", type=int, nargs=2, default=[128, 512])
     q.add_argument("--lengths", help="JSON file of [prompt, output] pairs instead")
+    q.add_argument("--seconds", type=float, help="finite rates: requests over this many seconds")
     q.add_argument("--prefill-chunk", type=int, default=512)
     q.add_argument("--prefill-requests", type=int, default=4)
     q.add_argument("--overhead-batch", type=int, default=16)

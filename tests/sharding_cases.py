@@ -269,20 +269,33 @@ def test_saved_quantized_model_restored_into_its_shards(tmp_path):
 
 
 ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt, new tokens)
+ENGINE_PROGRAMS = {
+    f"jit({name})"
+    for name in ("_prefill_row", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode")
+}
+compiled: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, fun_name="?", **_: (
+        compiled.append(fun_name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
 
 
 def run_engine(params, mesh):
     """Warmup, then three requests on two slots (the third reuses a slot), the long one
-    prefilled in two chunks of 32; returns the engine and each request's tokens."""
+    prefilled in two chunks of 32, with none of the engine's programs compiled after warmup;
+    returns the engine and each request's tokens."""
     e = Engine(params, kv="kivi2", slots=2, max_len=64, prefill_chunk=32, decode_steps=4,
                mesh=mesh)  # fmt: skip
-    e.warmup()  # every program once (kivi-serve's start), on the idle state
+    e.warmup()  # every program compiled ahead (kivi-serve's start), none run
+    before = len(compiled)
     handles = {
         name: e.submit(PROMPTS[i, :n].tolist(), max_new_tokens=new)
         for i, (name, (n, new)) in enumerate(ENGINE_REQUESTS.items())
     }
     while e.step():
         pass
+    assert not ENGINE_PROGRAMS & set(compiled[before:]), ENGINE_PROGRAMS & set(compiled[before:])
     return e, {name: h.result() for name, h in handles.items()}
 
 

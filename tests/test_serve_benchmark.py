@@ -55,11 +55,12 @@ def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
-def test_a_budget_that_holds_no_slot_is_an_error():
-    import jax
-    from generate_gpu import MODELS, random_params
-    from kivi_jax.models.config import LlamaConfig
-
-    params = random_params(LlamaConfig(**MODELS["smoke"], max_context=64), jax.random.key(0))
-    with pytest.raises(ValueError, match="holds the weights"):
-        serve.slots_for_budget(params, "kivi2", max_len=64, budget_gb=1e-4)
+def test_a_budget_that_holds_no_slot_is_an_error_naming_the_numbers():
+    args = serve.main_parser().parse_args(
+        ["run", "--model", "smoke", "--kvs", "kivi2", "--requests", "1",
+         "--prompt-range", "8", "8", "--output-range", "3", "3", "--budget-gb", "1e-4"]
+    )  # fmt: skip
+    args.kv = "kivi2"
+    with pytest.raises(ValueError, match=r"the engine does not fit the device: .* in use .* "
+                       r"against the limit 100 kB; not one slot fits"):  # fmt: skip
+        serve.measure_kv(args)

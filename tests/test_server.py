@@ -514,7 +514,7 @@ def test_cli_options_state_their_defaults():
     actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
-        "--host", "--port", "--shutdown-timeout", "--tensor-parallel",
+        "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
     }  # fmt: skip
     for a in actions:
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
@@ -527,6 +527,8 @@ def test_cli_options_state_their_defaults():
     [
         (["--model", "/no/such/model.gguf"], "no such model file or directory"),
         (["--slots", "0"], "slots must be a positive int"),
+        (["--slots", "auto"], "this device does not report: pass memory_budget"),
+        (["--slots", "64", "--memory-budget", "0.001"], "the engine does not fit the device: 64 "),
         (["--max-len", "4096"], "exceeds the model's context of 256"),
         (["--tensor-parallel", "2"], "--tensor-parallel: tensor parallelism over 2 devices, but"),
     ],

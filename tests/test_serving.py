@@ -199,7 +199,9 @@ def test_an_error_inside_the_engine_ends_the_requests_in_flight(params, monkeypa
 
 def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):
     e = engine(params, "kivi2")
-    s = e.stats()
+    s = e.stats()  # counted before the state is allocated (at the first step)
+    h = e.submit(prompt(20, seed=0), max_new_tokens=4)
+    e.step()
     slots = memory_report(e._state.caches).total_bytes
     assert s.kv_bytes_allocated == slots + s.prefill_scratch_bytes
     # the scratch: each layer's full-precision K and V of max_len (a chunk multiple) tokens,
@@ -207,8 +209,6 @@ def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):
     c = params.config
     fp = c.num_layers * 2 * 128 * c.num_kv_heads * c.head_dim * 4
     assert s.prefill_scratch_bytes > fp
-    h = e.submit(prompt(20, seed=0), max_new_tokens=4)
-    e.step()
     assert e.stats().kv_bytes_in_use == slots // 2
     while e.step():
         pass
@@ -244,6 +244,7 @@ def test_a_chunked_prompt_gives_the_logits_and_state_of_one_prefill(params):
         params, ids, np.array([n], np.int32), kv=engine_module.resolve_kv("kivi2"), max_len=128
     )
     e = engine(params, "kivi2")
+    e._allocate()
     caches, scratch = engine_module._empty_row(params, kv=e.kv, max_len=128), e._scratch
     for offset in range(0, n, CHUNK):
         part = ids[:, offset : min(offset + CHUNK, n)]
@@ -256,3 +257,50 @@ def test_a_chunked_prompt_gives_the_logits_and_state_of_one_prefill(params):
         np.testing.assert_array_equal(chunked.lengths, one.lengths)
         np.testing.assert_allclose(chunked.k_residual, one.k_residual, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(whole), rtol=0, atol=2e-5)
+
+
+def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
+    """The sizing rule: the weights already on the device, the slots' state, the prefill
+    scratch, the largest compiled program's temporaries and the reserve fit the budget, and an
+    engine of one slot more does not (its warmup says so); the programs are compiled once,
+    while sizing."""
+    budget = 4_000_000
+    e = engine(params, "kivi2", slots=None, memory_budget=budget)
+    plan = e.memory_plan
+    assert plan.limit == budget and plan.slots == e.slots > 2
+    assert plan.programs == max(p.temp_bytes for p in e.programs) > 0
+    assert plan.needed <= budget
+    assert plan.in_use == sum(x.nbytes for x in jax.tree.leaves(params))
+    assert e._state is None  # nothing allocated yet
+    before = len(compiled)
+    e.warmup()  # allocates the state (small programs of its own) and compiles nothing else
+    names = ["_prefill_row", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode"]
+    programs = {f"jit({name})" for name in names}
+    assert programs.isdisjoint(compiled[before:]) and e.memory_plan == plan
+    h = e.submit(prompt(20, seed=1), max_new_tokens=5)
+    while e.step():
+        pass
+    assert h.result() == alone(params, "kivi2", prompt(20, seed=1), 5)
+    more = engine(params, "kivi2", slots=e.slots + 1, memory_budget=budget)  # fits unfilled
+    with pytest.raises(ValueError, match=f"{e.slots + 1} slots x .* against the limit 4 MB"):
+        more.warmup()  # the programs' temporaries counted
+
+
+def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(params):
+    with pytest.raises(ValueError, match=r"does not fit the device: 64 slots x .* against the "
+                       r"limit 2 MB; at most \d+ slots fit"):  # fmt: skip
+        engine(params, "kivi2", slots=64, memory_budget=2_000_000)
+    with pytest.raises(ValueError, match="pass memory_budget"):  # the CPU reports no memory
+        engine(params, "kivi2", slots=None)
+
+
+def test_warmup_on_a_running_engine_runs_nothing_and_loses_no_token(params):
+    e = engine(params, "kivi2")
+    ids = [prompt(20, seed=2), prompt(9, seed=3)]
+    hs = [e.submit(x, max_new_tokens=12) for x in ids]
+    e.step()
+    e.step()
+    e.warmup()
+    while e.step():
+        pass
+    assert [h.result() for h in hs] == [alone(params, "kivi2", x, 12) for x in ids]

@@ -44,7 +44,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, init_cache
@@ -53,8 +53,38 @@ from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv, 
 from kivi_jax.memory import memory_report
 from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
+from kivi_jax.serving import sizing
+from kivi_jax.serving.sizing import MemoryPlan
 
 MAX_STOP_IDS = 16  # stop ids per request, the engine's eos_id and the request's eos_id included
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """One compiled program of the engine: its compile time and its temporaries on a device."""
+
+    name: str
+    compile_s: float
+    temp_bytes: int
+
+
+def _spec(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """x's shape and dtype (and `sharding`, if given) without its data."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _trimmed(s: NamedSharding) -> NamedSharding:
+    """`s` with its spec's trailing Nones dropped, as compiled programs return it (jit keys its
+    programs on the spec as written: P("data", None) and P("data") are two signatures)."""
+    spec = list(s.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _i32(*shape) -> jax.ShapeDtypeStruct:
+    """An int32 host input of `shape` (a numpy array at the call)."""
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
 class QueueFullError(RuntimeError):
@@ -129,19 +159,6 @@ def _keep_sharding(state: SlotState, mesh: Mesh | None) -> SlotState:
     return jax.lax.with_sharding_constraint(state, _state_sharding(state, mesh))
 
 
-def _slot_state(params: LlamaParams, kv, slots: int, max_len: int) -> SlotState:
-    """The engine's empty state of `slots` rows, made in its shards on the params' mesh."""
-    mesh, c = params.mesh, params.config
-    if mesh is None:
-        return _empty_state(_empty_caches(params, kv, slots, max_len), slots)
-    caches = sharding.init_cache(
-        kv, mesh=mesh, batch=slots, max_len=max_len, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, dtype=params.dtype, num_layers=c.num_layers,
-    )  # fmt: skip
-    state = _empty_state(caches, slots)
-    return jax.device_put(state, _state_sharding(state, mesh))
-
-
 def _put_row(state, row, slot):
     """`row` (the same pytree with one row) written over row `slot` of `state`."""
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
@@ -159,7 +176,12 @@ def _prefill_row(params, tokens, length, *, kv, max_len):
 
 @functools.partial(jax.jit, static_argnames=("kv", "max_len"))
 def _empty_row(params, *, kv, max_len):
-    return _empty_caches(params, kv, _prompt_rows(params), max_len)
+    """The empty state of a prompt's rows; on a mesh in the shardings the chunk program
+    returns (sharding.cache_sharding), so that every chunk of a prompt runs one program."""
+    caches = _empty_caches(params, kv, _prompt_rows(params), max_len)
+    if params.mesh is None:
+        return caches
+    return jax.lax.with_sharding_constraint(caches, sharding.cache_sharding(caches, params.mesh))
 
 
 _prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
@@ -353,7 +375,9 @@ class Engine:
     Args:
       params: the model's weights.
       kv: "full", "kivi2", "kivi4", "kivi2-mix" or a KiviConfig.
-      slots: requests decoded together (rows of the state).
+      slots: requests decoded together (rows of the state); None: as many as fit the device's
+        memory beside what is already on it (the programs are compiled first to count their
+        temporaries: memory_plan).
       max_len: tokens a slot holds (prompt + max_new_tokens of each request).
       prefill_chunk: prompts up to this long are prefilled in one call; longer ones in chunks
         of this many tokens, one chunk per scheduler step between decode calls.
@@ -363,10 +387,17 @@ class Engine:
       mesh: a jax.sharding.Mesh with a "model" axis and optionally "data" (kivi_jax.sharding):
         the params are placed on it (sharding.shard_params) and the state split over it.
         Default: the mesh the params carry, else one device.
+      memory_budget: bytes the process may hold on each device, the weights included (the
+        device allocator's own limit applies too, the smaller one counts).
+
+    The state is allocated by warmup() (after it has compiled every program, so that XLA's
+    autotuner measures in free memory) or by the first step.
 
     Raises:
-      ValueError: a bad argument, or a mesh that does not fit the model or `slots` (not
-        divisible by "data"): sharding.check_mesh, before anything runs.
+      ValueError: a bad argument, a mesh that does not fit the model or `slots` (not
+        divisible by "data"): sharding.check_mesh, or slots whose state, scratch and the
+        weights already there exceed the memory limit (the numbers named), before anything
+        is allocated.
     """
 
     def __init__(
@@ -374,20 +405,22 @@ class Engine:
         params: LlamaParams,
         *,
         kv: str | KiviConfig = "kivi2",
-        slots: int = 8,
+        slots: int | None = 8,
         max_len: int = 2048,
         prefill_chunk: int = 256,
         max_queue: int = 64,
         eos_id: int | None = None,
         decode_steps: int = 8,
         mesh: Mesh | None = None,
+        memory_budget: int | None = None,
     ):
         if not isinstance(params, LlamaParams):
             raise TypeError(f"params must be LlamaParams, got {type(params).__name__}")
         c = params.config
-        for name, value in [("slots", slots), ("max_len", max_len),
-                            ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
-                            ("decode_steps", decode_steps)]:  # fmt: skip
+        optional = {"slots": slots, "memory_budget": memory_budget}  # None: see the doc
+        for name, value in [("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("max_queue", max_queue), ("decode_steps", decode_steps),
+                            *((k, v) for k, v in optional.items() if v is not None)]:  # fmt: skip
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_len > c.max_context:
@@ -396,19 +429,40 @@ class Engine:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {c.vocab_size})")
         mesh = sharding.mesh_for(params, mesh)
         if mesh is not None:
-            sharding.check_mesh(mesh, c, batch=int(slots))
+            sharding.check_mesh(mesh, c, batch=None if slots is None else int(slots))
             params = sharding.shard_params(params, mesh)
+            self._devices = list(mesh.devices.flat)
+        else:  # committed, so that every program's outputs are (one signature each)
+            self._devices = [jax.tree.leaves(params)[0].device]
+            params = jax.device_put(params, self._devices[0])
         self.params, self.kv, self.mesh = params, resolve_kv(kv), mesh
-        self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
+        self.max_len, self.prefill_chunk = int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
-        self._state = _slot_state(params, self.kv, self.slots, self.max_len)
-        self._scratch = self._new_scratch()
-        self._slot_bytes = memory_report(self._state.caches).total_bytes
+        self._rows_per_device = 1 if mesh is None else dict(mesh.shape).get(sharding.DATA_AXIS, 1)
+        self._scratch_spec = self._abstract_scratch()
         row = jax.eval_shape(
             functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
         )
-        self._scratch_bytes = sum(x.nbytes for x in jax.tree.leaves(self._scratch)) + sum(
-            x.size * x.dtype.itemsize for x in jax.tree.leaves(row)
+        d = self._rows_per_device
+        self._plan = MemoryPlan(
+            limit=sizing.device_limit(self._devices, memory_budget),
+            in_use=sizing.device_in_use(self._devices, params),
+            slot=sizing.device_bytes(self._abstract_state(d)),  # d slots: one on each device
+            scratch=sizing.device_bytes(self._scratch_spec) + sizing.device_bytes(row) // d,
+            programs=0,
+            slots=0 if slots is None else int(slots) // d,
+        )
+        self.programs: list[ProgramCost] = []  # what warmup compiled (or slots=None's sizing)
+        if slots is None:
+            slots = self._fit_slots()
+        self._plan.check()
+        self.slots = int(slots)
+        self._state_spec = self._abstract_state(self.slots)
+        self._state: SlotState | None = None  # allocated by warmup() or the first step
+        self._scratch: tuple | None = None
+        self._slot_bytes = memory_report(self._state_spec.caches).total_bytes
+        self._scratch_bytes = sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves((self._scratch_spec, row))
         )
         self._lock = threading.Lock()  # the queue, the slots, the counters
         self._step_lock = threading.Lock()  # one scheduler step at a time
@@ -423,6 +477,12 @@ class Engine:
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
         self._accepting, self._thread, self._running = True, None, False
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        """The engine's bytes on one device (the fullest of a mesh; `slots` per device) against
+        its limit; `programs` is counted once warmup() has compiled them."""
+        return self._plan
 
     # ------------------------------------------------------------------------- public
 
@@ -492,6 +552,7 @@ class Engine:
         prompt tokens, or one chunk of a long prompt), one decode call, read back the previous
         call's tokens. Returns True while work remains."""
         with self._step_lock:
+            self._allocate()
             try:
                 self._cancelled()
                 self._admit()
@@ -538,27 +599,20 @@ class Engine:
         self.stop()
 
     def warmup(self) -> None:
-        """Compiles every program once (each prompt bucket, the chunk, insert, reset, decode;
-        greedy and sampled), on slot 0 of the idle state."""
+        """Compiles every program the engine runs (each prompt bucket, the chunk, insert,
+        reset, decode; greedy and sampled) before the state is allocated, then checks that the
+        state, the scratch and the largest program's temporaries fit the device
+        (memory_plan; a ValueError naming the numbers if not) and allocates them. It runs no
+        program, so it touches no request and may be called at any time."""
         with self._step_lock:
-            p, kv = self.params, self.kv
-            widths = range(PROMPT_BUCKET, self._bucket(self.prefill_chunk) + 1, PROMPT_BUCKET)
-            rows, r = RowSampling.of([Sampling()]), _prompt_rows(p)
-            zero, one, ones = np.int32(0), np.ones(1, np.int32), np.ones(r, np.int32)
-            stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
-            for w in widths:
-                logits, row = _prefill_row(p, np.zeros((r, w), np.int32), ones, kv=kv,
-                                           max_len=self.max_len)  # fmt: skip
-            for sampled in (False, True):
-                row = _empty_row(p, kv=kv, max_len=self.max_len)
-                self._state, _ = _insert_row(self._state, row, logits, rows, one, stops, zero,
-                                             sampled=sampled, mesh=self.mesh)  # fmt: skip
-                self._state, _ = _decode(p, self._state, steps=self.decode_steps, sampled=sampled)
-            self._state = _reset(p, self._state, zero, kv=kv)
-            row = _empty_row(p, kv=kv, max_len=self.max_len)
-            tokens = np.zeros((r, self.prefill_chunk), np.int32)
-            _, self._scratch, _ = _prefill_chunk(p, tokens, zero, ones, self._scratch, row)
-            jax.block_until_ready(self._state)
+            if not self.programs:
+                row, logits = self._compile_prompt_programs()
+                self._compile_slot_programs(self.slots, row, logits)
+                most = max(cost.temp_bytes for cost in self.programs)
+                self._plan = dataclasses.replace(self._plan, programs=most)
+                if self._state is None:
+                    self._plan.check()
+            self._allocate()
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -580,20 +634,132 @@ class Engine:
 
     # ------------------------------------------------------------------------- scheduler
 
-    def _new_scratch(self) -> tuple:
+    def _abstract_state(self, slots: int) -> SlotState:
+        """The shapes, dtypes and shardings of the state of `slots` rows (nothing allocated)."""
+        p, kv = self.params, self.kv
+        state = jax.eval_shape(
+            lambda: _empty_state(_empty_caches(p, kv, slots, self.max_len), slots)
+        )
+        if self.mesh is None:
+            shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), state)
+        else:
+            shardings = jax.tree.map(_trimmed, _state_sharding(state, self.mesh))
+        return jax.tree.map(_spec, state, shardings)
+
+    def _abstract_scratch(self) -> tuple:
         """The chunked prompt's full-precision K/V per layer: (k, v) [R, P, H, D], P the
-        multiple of prefill_chunk that covers max_len (R = _prompt_rows); on a mesh made in
-        its shards (sharding.scratch_spec)."""
+        multiple of prefill_chunk that covers max_len (R = _prompt_rows); on a mesh in its
+        shards (sharding.scratch_spec)."""
         p, C = self.params, self.prefill_chunk
         shape = (_prompt_rows(p), -(-self.max_len // C) * C, _kv_heads(p), p.config.head_dim)
-        zeros = lambda: jnp.zeros(shape, p.dtype)
-        if self.mesh is not None:
-            split = NamedSharding(self.mesh, sharding.scratch_spec(self.mesh))
-            zeros = jax.jit(zeros, out_shardings=split)
-        return tuple((zeros(), zeros()) for _ in range(p.config.num_layers))
+        if self.mesh is None:
+            where = SingleDeviceSharding(self._devices[0])
+        else:
+            where = _trimmed(NamedSharding(self.mesh, sharding.scratch_spec(self.mesh)))
+        one = jax.ShapeDtypeStruct(shape, p.dtype, sharding=where)
+        return tuple((one, one) for _ in range(p.config.num_layers))
+
+    def _allocate(self) -> None:
+        """The slots' state and the prefill scratch on the device, if not there yet."""
+        where = lambda specs: jax.tree.map(lambda x: x.sharding, specs)
+        if self._state is None:
+            p, S = self.params, self.slots
+            empty = lambda: _empty_state(_empty_caches(p, self.kv, S, self.max_len), S)
+            self._state = jax.jit(empty, out_shardings=where(self._state_spec))()
+        if self._scratch is None:
+            zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._scratch_spec)
+            self._scratch = jax.jit(zeros, out_shardings=where(self._scratch_spec))()
+
+    def _compile(self, name: str, fn, *args, **static):
+        """Compiles fn(*args, **static) ahead of its first call (jit reuses the program), records
+        its cost, and returns the shapes and shardings of its outputs."""
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args, **static)
+        compiled = lowered.compile()
+        self.programs.append(
+            ProgramCost(name, time.perf_counter() - t0, sizing.temp_bytes(compiled))
+        )
+        return jax.tree.map(_spec, lowered.out_info, compiled.output_shardings)
+
+    def _compile_prompt_programs(self):
+        """The programs that do not depend on the slots: each prompt bucket's prefill and the
+        chunk. Returns the specs of a prefilled one-row state and its logits."""
+        p, kv, L, C = self.params, self.kv, self.max_len, self.prefill_chunk
+        r = _prompt_rows(p)
+        empty = self._compile("empty_row", _empty_row, p, kv=kv, max_len=L)
+        for w in self._buckets():
+            logits, row = self._compile(f"prefill_row[{w}]", _prefill_row, p, _i32(r, w),
+                                        _i32(r), kv=kv, max_len=L)  # fmt: skip
+        if L > C:  # a prompt may need chunks
+            self._compile(f"prefill_chunk[{C}]", _prefill_chunk, p, _i32(r, C), _i32(), _i32(r),
+                          self._scratch_spec, empty)  # fmt: skip
+        return row, logits
+
+    def _compile_slot_programs(self, slots: int, row, logits) -> None:
+        """insert, reset and decode (greedy and sampled) for a state of `slots` rows."""
+        p, state = self.params, self._abstract_state(slots)
+        rows = jax.tree.map(_spec, RowSampling.of([Sampling()]))
+        for sampled in (False, True):
+            kind = "sampled" if sampled else "greedy"
+            stops = _i32(1, MAX_STOP_IDS)
+            self._compile(f"insert_row[{kind}]", _insert_row, state, row, logits, rows, _i32(1),
+                          stops, _i32(), sampled=sampled, mesh=self.mesh)  # fmt: skip
+            self._compile(f"decode[{kind}, {self.decode_steps} steps]", _decode, p, state,
+                          steps=self.decode_steps, sampled=sampled)  # fmt: skip
+        self._compile("reset", _reset, p, state, _i32(), kv=self.kv)
+
+    def _fit_slots(self) -> int:
+        """slots=None: compiles the programs, then takes as many slots as fit the limit beside
+        the weights, the scratch and the largest program's temporaries. The decode program's
+        temporaries grow with the slots: taken as proportional to them from its last compile,
+        and the slot programs compiled again at fewer slots while the plan overshoots."""
+        if self._plan.limit is None:
+            raise ValueError(
+                "slots=None sizes the engine to the device's memory, which this device does not "
+                "report: pass memory_budget (bytes) or slots"
+            )
+        dataclasses.replace(self._plan, slots=1).check()  # before anything compiles
+        row, logits = self._compile_prompt_programs()
+        prompt_costs = list(self.programs)
+        prompt_temps = max(cost.temp_bytes for cost in prompt_costs)
+        plan, d, per_slot = self._plan, self._rows_per_device, 0.0
+        rest = plan.limit - plan.in_use - plan.scratch - plan.reserve
+        for _ in range(4):
+            slots = min((rest - prompt_temps) // plan.slot, int(rest // (plan.slot + per_slot)))
+            plan = dataclasses.replace(plan, slots=max(slots, 0), programs=prompt_temps)
+            if plan.slots == 0:
+                break
+            self.programs = list(prompt_costs)
+            self._compile_slot_programs(plan.slots * d, row, logits)
+            slot_temps = max(cost.temp_bytes for cost in self.programs[len(prompt_costs) :])
+            plan = dataclasses.replace(plan, programs=max(prompt_temps, slot_temps))
+            per_slot = slot_temps / plan.slots
+            if plan.fits:
+                break
+        self._plan = plan
+        plan.check()
+        return plan.slots * d
+
+    def _buckets(self) -> list[int]:
+        """Prompt widths of the one-call prefill: PROMPT_BUCKET doubled up to the longest such
+        prompt (prefill_chunk or max_len, rounded up to a PROMPT_BUCKET multiple), so that few
+        programs cover every prompt."""
+        longest = min(self.prefill_chunk, self.max_len)
+        top = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        widths = [PROMPT_BUCKET]
+        while widths[-1] < top:
+            widths.append(min(2 * widths[-1], top))
+        return widths
+
+    def _new_row(self):
+        """The empty one-row state a chunked prompt starts from, committed to the device(s) as
+        the chunk program's outputs are (its first chunk and the next ones: one signature).
+        Its program reads no input array, so on one device its output would be uncommitted."""
+        row = _empty_row(self.params, kv=self.kv, max_len=self.max_len)
+        return row if self.mesh is not None else jax.device_put(row, self._devices[0])
 
     def _bucket(self, n: int) -> int:
-        return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+        return next(w for w in self._buckets() if w >= n)
 
     def _busy(self) -> bool:
         with self._lock:
@@ -633,7 +799,7 @@ class Engine:
                 self._occupant[slot] = h
             n = len(h._prompt)
             if n > self.prefill_chunk:
-                row = _empty_row(self.params, kv=self.kv, max_len=self.max_len)
+                row = self._new_row()
                 self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
                 continue
             width, r = self._bucket(n), _prompt_rows(self.params)
@@ -711,8 +877,8 @@ class Engine:
                     self._end(h, "error", error)
             self._occupant = [None] * self.slots
             self._long, self._events = None, collections.deque()
-            self._state = _slot_state(self.params, self.kv, self.slots, self.max_len)
-            self._scratch = self._new_scratch()
+            self._state = self._scratch = None
+            self._allocate()
 
     def _loop(self) -> None:
         while True:

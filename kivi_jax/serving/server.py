@@ -356,6 +356,16 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
     return app
 
 
+def _slots(text: str) -> int | None:
+    """--slots: a positive int, or "auto" (None: Engine sizes itself)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     """Every option's help ends with its default."""
     from kivi_jax.cli import add_model_arguments, add_tensor_parallel_argument
@@ -368,10 +378,19 @@ def _parser() -> argparse.ArgumentParser:
     add_tensor_parallel_argument(p)
     p.add_argument(
         "--slots",
-        type=int,
+        type=_slots,
         default=8,
         metavar="N",
-        help="requests decoded at once (rows of the KV state) (default: 8)",
+        help="requests decoded at once (rows of the KV state), or 'auto': as many as fit the "
+        "device's memory (default: 8)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory (1e9 bytes) the server may hold on each device, the weights "
+        "included; the allocator's own limit applies too (default: that limit alone)",
     )
     p.add_argument(
         "--max-len",
@@ -416,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
             prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
             eos_id=model.tokenizer.eos_id, mesh=mesh,
+            memory_budget=None if args.memory_budget is None else int(args.memory_budget * 1e9),
         )  # fmt: skip
     except (ModelLoadError, ValueError) as e:
         sys.stderr.write(f"kivi-serve: error: {e}\n")
