@@ -44,6 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 KEY = ("mode", "model", "kv", "budget_gb", "rate")  # one row per key; later runs replace it
+PLAN_FIELDS = ("slots", "limit_gb", "in_use_gb", "slot_gb", "scratch_gb", "programs_gb",
+               "planned_gb")  # fmt: skip
 
 
 def percentile(xs, q: float) -> float:
@@ -480,6 +482,14 @@ def merge(args) -> None:
                 same = lambda x, o=o: (x["model"], x["kv"], x["device"]) == (
                     o["model"], o["kv"], o["device"])  # fmt: skip
                 merged["overhead"] = [x for x in merged["overhead"] if not same(x)] + [o]
+            if r.get("programs"):
+                first = r["rows"][0]
+                c = dict(device=r["device"], model=first["model"], kv=first["kv"],
+                         call=first["call"], warmup_s=r["warmup_s"], programs=r["programs"],
+                         **{k: first[k] for k in PLAN_FIELDS})  # fmt: skip
+                same = lambda x, c=c: (x["model"], x["kv"], x["device"]) == (
+                    c["model"], c["kv"], c["device"])  # fmt: skip
+                merged["compile"] = [x for x in merged.get("compile", []) if not same(x)] + [c]
             merged["versions"] = r["versions"]
     rate_key = lambda x: _rate(str(x["rate"]))
     merged["rows"].sort(key=lambda x: (x["device"], x["model"], x["kv"], rate_key(x)))
@@ -525,6 +535,26 @@ def markdown(result: dict) -> str:
                 f"| {o['prompt']} + {o['new_tokens']} | {o['engine_decode_tok_per_s']:.0f} "
                 f"| {o['generate_decode_tok_per_s']:.0f} | {o['engine_vs_generate']:.2f} "
                 f"| {o['call']} |"
+            )
+    if result.get("compile"):
+        lines += [
+            "",
+            "The engine's memory plan (GB on the device: the limit is the smaller of the budget "
+            "and the allocator's) and its programs, compiled by warmup() before the state is "
+            "allocated; peak is the allocator's over the whole run.",
+            "",
+            "| device | model | kv | slots | limit | in use | slot | scratch | programs' temps "
+            "| planned | programs | compile s | slowest | call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in result["compile"]:
+            slow = max(c["programs"], key=lambda p: p["compile_s"])
+            lines.append(
+                f"| {c['device']} | {c['model']} | {c['kv']} | {c['slots']} "
+                f"| {c['limit_gb']:.1f} | {c['in_use_gb']:.1f} | {c['slot_gb']:.3f} "
+                f"| {c['scratch_gb']:.2f} | {c['programs_gb']:.2f} | {c['planned_gb']:.1f} "
+                f"| {len(c['programs'])} | {sum(p['compile_s'] for p in c['programs']):.0f} "
+                f"| {slow['name']} {slow['compile_s']:.0f} s | {c['call']} |"
             )
     return "\n".join(lines) + "\n"
 

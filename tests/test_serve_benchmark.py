@@ -51,7 +51,8 @@ def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     serve.merge(serve.main_parser().parse_args(["merge", str(run), "--out", str(tmp_path)]))
     merged = json.loads((tmp_path / "serve.json").read_text())
     assert ROW_FIELDS <= set(merged["rows"][0]) and merged["versions"]
-    assert "| smoke |" in (tmp_path / "serve.md").read_text()
+    md = (tmp_path / "serve.md").read_text()
+    assert "| smoke |" in md and "| compile s |" in md and merged["compile"][0]["programs"]
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
