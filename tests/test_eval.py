@@ -126,7 +126,7 @@ def test_cli_quick_errors_writes_json_markdown_and_plot(
     out = tmp_path / "results"
     assert cli.main(["errors", "--quick", "--out", str(out), "--model", default_gguf]) == 0
     assert loads == [
-        (default_gguf, dict(dtype=jnp.float32, weights="float", weight_group_size=128))
+        (default_gguf, dict(dtype=jnp.float32, weights="float", weight_group_size=None))
     ]
     for ext in ("json", "md", "png"):
         assert (out / f"errors.{ext}").stat().st_size > 0

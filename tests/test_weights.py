@@ -249,3 +249,22 @@ def test_decode_step_dequantizes_into_the_gemm_on_the_gpu(bits):
     for line in entry.splitlines():
         m = re.match(r"\s*%\S+ = (bf16\[[0-9,]+\])", line)
         assert not (m and m.group(1) in shapes and "parameter(" not in line), line
+
+
+def test_int4_of_a_gguf_keeps_its_block_grid_by_default(tmp_path):
+    """load_model(weights="int4") of a GGUF re-quantizes in its blocks' width (32): Q4_1 blocks
+    come back on their own grid (to float32 rounding), where groups of 128 would round each
+    weight a second time."""
+    path = str(tmp_path / "Q4_1.gguf")
+    write_gguf(path, tiny_params(), quant=gguf.GGMLQuantizationType.Q4_1)
+    floats = kivi_jax.load_model(path, dtype=jnp.float32).params
+    int4 = kivi_jax.load_model(path, dtype=jnp.float32, weights="int4").params
+    coarse = kivi_jax.load_model(path, dtype=jnp.float32, weights="int4", weight_group_size=128)
+    coarse = coarse.params
+    for lq, lc, lf in zip(int4.layers, coarse.layers, floats.layers, strict=True):
+        for name in LINEAR:
+            w, f = getattr(lq, name), getattr(lf, name)
+            assert w.group == 32
+            np.testing.assert_allclose(dequantize(w), f, atol=1e-5, rtol=1e-5)
+            assert getattr(lc, name).group > 32
+            assert float(jnp.max(jnp.abs(dequantize(getattr(lc, name)) - f))) > 1e-3

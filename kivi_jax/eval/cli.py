@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 
+from kivi_jax.loading import default_group_size
 from kivi_jax.weights import add_weights_argument
 
 STUDIES = ("ppl", "passkey", "errors", "ablate", "mix")
@@ -159,6 +160,7 @@ def run(args, log) -> list[pathlib.Path]:
         weight_group_size=args.weight_group_size,
     )
     params, tok = model.params, model.tokenizer
+    group = args.weight_group_size or default_group_size(model.source)
     if "passkey" in studies_to_run:  # before any study runs
         studies.check_passkey_lengths(
             sizes.passkey_lengths,
@@ -168,7 +170,7 @@ def run(args, log) -> list[pathlib.Path]:
     header_base = (
         f"kivi-eval ({'quick' if args.quick else 'full'}), model {model.source}, "
         f"{args.weights} weights"
-        f"{f' (groups of {args.weight_group_size})' if args.weights == 'int4' else ''}, "
+        f"{f' (groups of {group})' if args.weights == 'int4' else ''}, "
         f"float32 on {platform.machine()} CPU"
     )
     written = []

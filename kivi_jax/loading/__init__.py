@@ -27,7 +27,13 @@ from kivi_jax.loading.hf_loader import is_hf_dir, load_hf
 from kivi_jax.loading.tokenizer import Tokenizer
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LlamaParams
-from kivi_jax.weights import WEIGHT_CHOICES, group_for, quantize_weights
+from kivi_jax.weights import (
+    DEFAULT_GROUP_SIZE,
+    GGUF_GROUP_SIZE,
+    WEIGHT_CHOICES,
+    group_for,
+    quantize_weights,
+)
 
 __all__ = [
     "Model",
@@ -73,13 +79,19 @@ def default_model_path() -> str:
     raise ModelLoadError(f"the installed '{DEFAULT_DISTRIBUTION}' package has no .gguf file")
 
 
+def default_group_size(path: str) -> int:
+    """int4's group along the input when none is given: a GGUF's block width (its 4-bit blocks
+    re-quantized on their own grid), else the 128 of float checkpoints (docs/weights.md)."""
+    return GGUF_GROUP_SIZE if is_gguf(path) else DEFAULT_GROUP_SIZE
+
+
 def load_model(
     path: str | os.PathLike | None = None,
     *,
     dtype=jnp.bfloat16,
     progress=None,
     weights: str = "float",
-    weight_group_size: int = 128,
+    weight_group_size: int | None = None,
     mesh=None,
 ) -> Model:
     """Loads weights and tokenizer. See the module docstring for what `path` may be.
@@ -92,7 +104,9 @@ def load_model(
         loaded: `dtype`, or a saved model's own format); "int8" / "int4" (quantize_weights of
         the float weights; a TypeError for a saved model already quantized); "gguf" (a GGUF's
         Q8_0 / Q4_0 / Q4_1 tensors kept as stored, the rest dequantized; a GGUF file only).
-      weight_group_size: int4's group along the input (kivi_jax.quantize_weights' group_size).
+      weight_group_size: int4's group along the input (kivi_jax.quantize_weights'
+        group_size); None: a GGUF's block width (32: its 4-bit blocks keep their grid), else
+        128.
       mesh: optional jax.sharding.Mesh: the params come back placed on it
         (kivi_jax.sharding.shard_params). A saved model is restored straight into its shards
         (orbax); a GGUF or Hugging Face checkpoint is read on the host, then split.
@@ -108,8 +122,10 @@ def load_model(
     dtype = check_param_dtype(dtype)
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
-    group_for(1, weight_group_size)  # a positive int, checked before anything is read
     path = default_model_path() if path is None else os.fspath(path)
+    if weight_group_size is None:
+        weight_group_size = default_group_size(path)
+    group_for(1, weight_group_size)  # a positive int, checked before anything is read
     if not os.path.exists(path):
         raise ModelLoadError(f"no such model file or directory: {path}")
     if weights == "gguf" and not is_gguf(path):
