@@ -120,7 +120,8 @@ def server(tiny_dir, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
     argv = [sys.executable, "-m", "kivi_jax.serving.server", "--model", tiny_dir, "--kv", "kivi2",
             "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE),
-            "--prefill-chunk", "64", "--port", str(port), "--shutdown-timeout", "30"]  # fmt: skip
+            "--prefill-chunk", "64", "--port", str(port), "--shutdown-timeout", "30",
+            "--no-compilation-cache"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -636,7 +637,7 @@ def test_a_port_in_use_ends_the_command_at_once(tiny_dir, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         t0 = time.perf_counter()
-        assert main(["--model", tiny_dir, "--port", str(port)]) == 2
+        assert main(["--model", tiny_dir, "--port", str(port), "--no-compilation-cache"]) == 2
         assert time.perf_counter() - t0 < 5  # before the model loads
     err = capsys.readouterr().err
     assert f"kivi-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
@@ -652,8 +653,12 @@ def test_cli_options_state_their_defaults():
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
         "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
+        "--no-compilation-cache",
     }  # fmt: skip
     for a in actions:
+        if a.dest == "no_compilation_cache":  # a switch: its default is the cache on
+            assert "(default: the cache is on)" in a.help
+            continue
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
         expected = "(default: " if a.default is None else f"(default: {shown})"
         assert expected in a.help, a.option_strings
@@ -673,7 +678,8 @@ def test_cli_options_state_their_defaults():
 def test_cli_errors_exit_2_before_serving(tiny_dir, argv, message, capsys):
     from kivi_jax.serving.server import main
 
-    argv = ["--model", tiny_dir, "--max-len", "256", "--port", "0", *argv]
+    argv = ["--model", tiny_dir, "--max-len", "256", "--port", "0", "--no-compilation-cache",
+            *argv]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kivi-serve: error: ") and message in err

@@ -11,7 +11,10 @@ cancels its request, so its slot frees within a few decode steps. An engine faul
 requests it touched with a 500 naming it; an engine that cannot recover turns /health 503 and
 ends the process with status 1. The tokenizer and the chat template run off the event loop.
 
-The port is bound before the model loads (one in use ends the command at once, status 2). On
+XLA's compiled programs are kept across starts in a persistent cache (compilation_cache_dir(),
+--no-compilation-cache to turn it off): a second start with the same arguments loads them
+instead of compiling. The port is bound before the model loads (one in use ends the command at
+once, status 2). On
 SIGTERM new requests get 503 and the requests in flight have --shutdown-timeout seconds to
 finish; then the engine cancels what is left, whose clients get a 503 or an error event, and
 the process exits 0.
@@ -459,6 +462,23 @@ def _listen(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def compilation_cache_dir() -> str:
+    """Where kivi-serve keeps XLA's compiled programs: $XDG_CACHE_HOME/kivi-jax/xla, by default
+    ~/.cache/kivi-jax/xla (JAX's persistent compilation cache: keyed by the program, the
+    device, jax's version and XLA's flags, so a stale entry is never used)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kivi-jax", "xla")
+
+
+def _use_compilation_cache() -> None:
+    """Every program compiled from now on is written to (or read from) the persistent cache,
+    however short its compile."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def _slots(text: str) -> int | None:
     """--slots: a positive int, or "auto" (None: Engine sizes itself)."""
     if text == "auto":
@@ -518,6 +538,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program at start instead of loading those a previous "
+        f"start compiled from {compilation_cache_dir()} (default: the cache is on)",
+    )
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM, seconds the requests in flight may take to finish before "
                    f"they are cancelled (default: {SHUTDOWN_TIMEOUT_S:g})")  # fmt: skip
@@ -536,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         sys.stderr.write(f"kivi-serve: error: {e}\n")
         return 2
+    if not args.no_compilation_cache:
+        _use_compilation_cache()
     try:
         mesh = mesh_from_args(args)
         model = load_model_from_args(args, mesh=mesh)
@@ -558,7 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGTERM (a graceful shutdown), then raises it again under the handler it
     # found at start: this one makes the process end with 0 rather than die by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn_server(app, host=args.host, port=args.port).run(sockets=[sock])
+    return serve(app, sock, host=args.host, port=args.port)
+
+
+def serve(app: FastAPI, sock: socket.socket, **config) -> int:
+    """Serves create_app's app on the bound socket until a signal or an engine broken past
+    repair; returns the exit status: 0, or 1 if the engine (or its warmup) failed."""
+    uvicorn_server(app, **config).run(sockets=[sock])
     return 0 if app.state.server.failure is None else 1
 
 
