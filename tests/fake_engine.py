@@ -1,7 +1,8 @@
 """A model-free engine behind kivi_jax.serving.Engine's interface (JetStream's mock-engine idea):
 each live slot produces one token of a fixed answer per step, so the server's scheduling, faults
 and streaming are tested without compiling anything. `fail_next_step(exc)` makes the next step
-raise inside the engine, failing the requests it touched."""
+raise inside the engine, failing the requests it touched; `break_down(exc)` is a fault the
+engine cannot recover from (`failure` set, every request ended, the loop stopped)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class FakeEngine:
         self._thread = None
         self._stop = threading.Event()
         self.warmed = False
+        self.failure: BaseException | None = None
 
     def warmup(self):
         self.warmed = True
@@ -142,6 +144,15 @@ class FakeEngine:
 
     def fail_next_step(self, error: BaseException):
         self._fail = error
+
+    def break_down(self, error: BaseException):
+        with self._lock:
+            self.failure, ended = error, [*self.queue, *self.live]
+            self.queue.clear()
+            self.live.clear()
+        for h in ended:
+            h._finish("error", error)
+        self._stop.set()
 
     def step(self) -> bool:
         with self._lock:
@@ -182,14 +193,17 @@ class FakeEngine:
         self._thread.start()
 
     def stop(self, timeout=None, cancel=True):
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        while (self.live or self.queue) and (deadline is None or time.perf_counter() < deadline):
-            time.sleep(self.step_s)
+        if not cancel:
+            while self.live or self.queue:
+                time.sleep(self.step_s)
         for h in list(self.queue) + list(self.live):
             self.cancel(h)
         self._stop.set()
+        self.wait(timeout)
+
+    def wait(self, timeout=None):
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
 
     def stats(self) -> FakeStats:
         with self._lock:

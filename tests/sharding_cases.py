@@ -329,16 +329,15 @@ def test_engine_on_a_mesh_answers_as_one_device_with_its_state_split(mesh_name):
 
 
 def test_kivi_serve_tensor_parallel_serves_an_engine_on_the_mesh(tmp_path, monkeypatch, capsys):
-    import uvicorn
-
     from kivi_jax.serving import server
 
     path = str(tmp_path / "tiny.gguf")
     write_gguf(path, params_of("model2"))
     apps = []
     monkeypatch.setattr(server, "create_app", lambda engine, *a, **kw: apps.append(engine))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
-    argv = ["--model", path, "--max-len", "64", "--slots", "2"]
+    monkeypatch.setattr(server, "serve", lambda app, sock, **kw: sock.close() or 0)
+    argv = ["--model", path, "--max-len", "64", "--slots", "2", "--port", "0",
+            "--no-compilation-cache"]  # fmt: skip
     assert server.main([*argv, "--tensor-parallel", "2"]) == 0
     (engine,) = apps
     assert engine.mesh.shape == {"model": 2} and engine.params.mesh == engine.mesh

@@ -8,6 +8,7 @@ warmup wait are staged.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import http.client
@@ -24,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from fake_engine import FakeEngine
 from tiny_model import tiny_params, write_hf_dir
 
 import kivi_jax
 from kivi_jax.generate import encode_prompt, generate
+from kivi_jax.serving import metrics as metrics_module
 from kivi_jax.serving.detokenize import Detokenizer
-from kivi_jax.serving.server import MAX_BODY_BYTES, create_app
+from kivi_jax.serving.server import MAX_BODY_BYTES, create_app, main, uvicorn_server
 
 SLOTS, MAX_QUEUE, MAX_LEN = 4, 4, 256
 PROMPTS = [
@@ -119,7 +120,8 @@ def server(tiny_dir, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
     argv = [sys.executable, "-m", "kivi_jax.serving.server", "--model", tiny_dir, "--kv", "kivi2",
             "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--max-queue", str(MAX_QUEUE),
-            "--prefill-chunk", "64", "--port", str(port), "--shutdown-timeout", "30"]  # fmt: skip
+            "--prefill-chunk", "64", "--port", str(port), "--shutdown-timeout", "30",
+            "--no-compilation-cache"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -138,14 +140,13 @@ FAKE_ANSWER = "the answer, said the fake engine, is forty-two. "
 
 
 class _InProcess:
-    """uvicorn in a thread over create_app(engine, ...)."""
+    """uvicorn in a thread over create_app(engine, ...), as kivi-serve runs it."""
 
-    def __init__(self, engine, tokenizer):
+    def __init__(self, engine, tokenizer, shutdown_timeout=30.0):
         self.engine, port = engine, _free_port()
-        app = create_app(engine, tokenizer, model_name="fake", max_len=engine.max_len)
-        self.uvicorn = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        )
+        self.app = create_app(engine, tokenizer, model_name="fake", max_len=engine.max_len,
+                              shutdown_timeout=shutdown_timeout)  # fmt: skip
+        self.uvicorn = uvicorn_server(self.app, host="127.0.0.1", port=port, log_level="warning")
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.base = f"http://127.0.0.1:{port}"
 
@@ -294,7 +295,8 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", b'{"prompt": "hi", ', 400, None, "not valid JSON"),
     ("/v1/completions", b'["prompt"]', 400, None, "object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "integer"),
-    ("/v1/completions", {"prompt": 7}, 400, "prompt", "valid"),
+    ("/v1/completions", {"prompt": 7}, 400, "prompt",
+     "must be a string or a list of token ids, got 7"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "'gpt-9'"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
@@ -314,7 +316,21 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", "0"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids",
      "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop", "at least 1"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop", "must not be empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", ""]}, 400, "stop", "must not be empty"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "the list of token ids is empty"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400, "temperature",
+     "must be a finite number, got Infinity"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e309}', 400, "temperature",
+     "must be a finite number, got Infinity"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', 400, "top_p",
+     "must be a finite number, got NaN"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * MAX_LEN}]}, 400,
+     "messages", "leaves no room for an answer in the context of 256 tokens"),
+    ("/v1/nowhere", {"prompt": "hi"}, 404, None, "POST /v1/nowhere: no such path"),
+    ("/v1/completions", None, 405, None, "GET /v1/completions: the method is not allowed; "
+     "allowed: POST"),
+    ("/v1/models/gpt-9", None, 404, "model", "'gpt-9' is not served here"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "0"),
     ("/v1/completions", b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}', 413, None, "exceeds"),
 ]  # fmt: skip
@@ -326,7 +342,27 @@ def test_bad_input_is_a_4xx_naming_the_problem(server, path, body, status, param
     error = json.loads(raw)["error"]
     assert (got, error["param"]) == (status, param), error
     assert words in error["message"] and error["type"] == "invalid_request_error", error
+    assert "Value error" not in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_model_has_its_own_card(server):
+    card = _client(server.base).models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+
+
+def test_null_fields_are_fields_left_out(server):
+    """max_tokens null in a completion is its default, 16 (not what the slot has left); a chat
+    message may carry a name."""
+    ask = lambda body: json.loads(_http(server.base, "/v1/completions", body)[2])
+    left_out = ask({"prompt": "the end is near", "temperature": 0})
+    null = ask({"prompt": "the end is near", "temperature": 0, "max_tokens": None})
+    assert null["choices"] == left_out["choices"] and null["usage"] == left_out["usage"]
+    assert null["usage"]["completion_tokens"] <= 16
+    named = {"role": "user", "content": "hi", "name": "ada"}
+    status, _, _ = _http(server.base, "/v1/chat/completions",
+                         {"messages": [named], "max_tokens": 2, "temperature": 0})  # fmt: skip
+    assert status == 200
 
 
 def test_the_client_sees_bad_input_as_its_errors_and_the_server_serves_on(server):
@@ -476,6 +512,9 @@ def test_health_is_503_until_the_programs_are_compiled(tiny):
         assert status == 503 and headers["retry-after"] == "1"
         release.set()
         _wait_healthy(s.base, 10)
+        m = _metrics(s.base)
+        assert m['kivi_requests_total{outcome="not_ready"}'] == 1
+        assert m['kivi_requests_total{outcome="shutdown"}'] == 0
 
 
 def test_a_failed_warmup_keeps_health_503_naming_it(tiny):
@@ -505,6 +544,105 @@ def test_an_unexpected_engine_exception_at_submit_is_a_500_with_the_error_body(t
         assert json.loads(body)["error"]["message"] == "RuntimeError: the engine is stopped"
 
 
+def test_an_engine_broken_past_repair_stops_the_server(tiny):
+    """The engine stops by a fault it cannot recover from: the server stops serving (kivi-serve
+    then exits with status 1, for a supervisor to restart it)."""
+    engine = FakeEngine(tiny.tokenizer.encode(FAKE_ANSWER))
+    with _InProcess(engine, tiny.tokenizer) as s:
+        _wait_healthy(s.base, 10)
+        engine.break_down(MemoryError("no device memory left"))
+        s.thread.join(30)
+        assert not s.thread.is_alive(), "the server kept serving"
+    server = s.app.state.server
+    assert isinstance(server.failure, MemoryError) and not server.ready
+
+
+def test_requests_left_at_the_shutdown_timeout_are_answered_503_or_an_error_event(tiny):
+    """A shutdown (uvicorn's signal handler) with a stream and a whole-body request that
+    outlast --shutdown-timeout: the whole one gets a 503 naming the shutdown, the stream an
+    error event and [DONE]; no connection is dropped."""
+    engine = FakeEngine(tiny.tokenizer.encode(FAKE_ANSWER), step_s=0.02)
+    with _InProcess(engine, tiny.tokenizer, shutdown_timeout=0.5) as s:
+        _wait_healthy(s.base, 10)
+        u = urllib.parse.urlsplit(s.base)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = json.dumps({"prompt": "hi", "max_tokens": 240, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.readline().startswith(b"data: ")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(_http, s.base, "/v1/completions",
+                                {"prompt": "hi", "max_tokens": 240}, timeout=30)  # fmt: skip
+            while engine.stats().live_slots < 2:
+                time.sleep(0.005)
+            s.uvicorn.handle_exit(signal.SIGTERM, None)
+            status, _, raw = whole.result(30)
+        rest = stream.read().decode()
+        conn.close()
+    assert status == 503 and json.loads(raw)["error"]["code"] == "shutdown"
+    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutdown"
+
+
+def test_tokenizing_runs_off_the_event_loop(tiny):
+    class Watched:
+        """The tokenizer, noting whether each encode or chat template ran on an event loop."""
+
+        def __init__(self, tok):
+            self.tok, self.on_loop = tok, []
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def _note(self):
+            try:
+                asyncio.get_running_loop()
+                self.on_loop.append(True)
+            except RuntimeError:
+                self.on_loop.append(False)
+
+        def encode(self, text):
+            self._note()
+            return self.tok.encode(text)
+
+        def apply_chat_template(self, messages):
+            self._note()
+            return self.tok.apply_chat_template(messages)
+
+    tok = Watched(tiny.tokenizer)
+    with _InProcess(FakeEngine(tok.encode(FAKE_ANSWER)), tok) as s:
+        _wait_healthy(s.base, 10)
+        tok.on_loop.clear()
+        assert _http(s.base, "/v1/completions", {"prompt": "hi", "max_tokens": 3})[0] == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert _http(s.base, "/v1/chat/completions", chat)[0] == 200
+    assert tok.on_loop == [False, False, False]  # encode, then the template and its encode
+
+
+def test_the_token_rate_keeps_bounded_memory_unscraped(monkeypatch):
+    m = metrics_module.Metrics(FakeEngine([1]))
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    for i in range(5000):  # 1000 s of tokens, 5 a second, never scraped
+        clock[0] = i * 0.2
+        m.token()
+    assert len(m._recent) <= metrics_module.RATE_WINDOW_S / 0.1 + 1
+    assert m.tokens_per_s() == pytest.approx(5.0, abs=0.1)  # the window's two ends counted
+
+
+def test_a_port_in_use_ends_the_command_at_once(tiny_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        assert main(["--model", tiny_dir, "--port", str(port), "--no-compilation-cache"]) == 2
+        assert time.perf_counter() - t0 < 5  # before the model loads
+    err = capsys.readouterr().err
+    assert f"kivi-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+
+
 # -------------------------------------------------------------------------------- the CLI
 
 
@@ -515,8 +653,12 @@ def test_cli_options_state_their_defaults():
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
         "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
+        "--no-compilation-cache",
     }  # fmt: skip
     for a in actions:
+        if a.dest == "no_compilation_cache":  # a switch: its default is the cache on
+            assert "(default: the cache is on)" in a.help
+            continue
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
         expected = "(default: " if a.default is None else f"(default: {shown})"
         assert expected in a.help, a.option_strings
@@ -536,7 +678,8 @@ def test_cli_options_state_their_defaults():
 def test_cli_errors_exit_2_before_serving(tiny_dir, argv, message, capsys):
     from kivi_jax.serving.server import main
 
-    argv = ["--model", tiny_dir, "--max-len", "256", *argv]
+    argv = ["--model", tiny_dir, "--max-len", "256", "--port", "0", "--no-compilation-cache",
+            *argv]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kivi-serve: error: ") and message in err
@@ -551,6 +694,26 @@ def test_detokenizer_holds_back_a_stop_string_spanning_tokens(tiny):
     d = Detokenizer(tok, stop=["of th"])
     shown = "".join(d.add(i) for i in ids[:-1] if not d.stopped)
     assert d.stopped and shown == d.text == "the theme "
+
+
+def test_detokenizer_decodes_a_few_ids_per_token(tiny):
+    """Each token costs a decode of the few ids around it, not of the whole answer, and the
+    pieces add up to the decoding of all the ids."""
+
+    class Counted:
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids):
+            self.decoded += len(ids)
+            return self.tok.decode(ids)
+
+    tok = Counted(tiny.tokenizer)
+    ids = tiny.tokenizer.encode("Le thème: « é, ü, ∑ » and the end. " * 12)
+    d = Detokenizer(tok)
+    text = "".join(d.add(i) for i in ids) + d.flush()
+    assert text == d.text == tiny.tokenizer.decode(ids)
+    assert len(ids) > 300 and tok.decoded <= 8 * len(ids)
 
 
 def test_detokenizer_waits_for_a_whole_character(tiny):

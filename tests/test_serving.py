@@ -7,6 +7,7 @@ A tiny random model (untied embeddings, so greedy tokens vary) for all but one t
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import jax
 import numpy as np
@@ -182,19 +183,117 @@ def test_background_thread_and_async_iteration(params):
         e.submit(ids, max_new_tokens=4)
 
 
-def test_an_error_inside_the_engine_ends_the_requests_in_flight(params, monkeypatch):
+def test_a_fault_in_one_requests_prefill_ends_that_request_only(params, monkeypatch):
+    MARK = 261  # a prompt starting with it fails in its prefill (prompt() draws ids < 260)
+    real = engine_module._prefill_row
+
+    def prefill(params, tokens, length, **kw):
+        if tokens[0, 0] == MARK:
+            raise RuntimeError("prefill fault")
+        return real(params, tokens, length, **kw)
+
+    monkeypatch.setattr(engine_module, "_prefill_row", prefill)
     e = engine(params, "full")
-    h = e.submit(prompt(10, seed=6), max_new_tokens=20)
+    ok, bad = prompt(20, seed=6), [MARK, *prompt(9, seed=7)]
+    h_ok = e.submit(ok, max_new_tokens=10)
+    h_bad = e.submit(bad, max_new_tokens=10)
+    while e.step():
+        pass
+    assert h_bad.finish_reason == "error"
+    with pytest.raises(EngineError, match="prefill fault"):
+        list(h_bad)
+    assert h_ok.finish_reason == "length" and h_ok.result() == alone(params, "full", ok, 10)
+    assert e.stats().requests_finished == {"error": 1, "length": 1}
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_module, "_decode", broken)
-    with pytest.raises(RuntimeError, match="device lost"):
+def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monkeypatch):
+    """The decode call fails once while a long prompt is between its chunks and another
+    request waits: the decoding request ends with the fault; the state is rebuilt; the long
+    prompt (its own one-row state) and the waiting request then get the tokens of their
+    prompts alone."""
+    real, calls = engine_module._decode, []
+
+    def decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("decode fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_decode", decode)
+    e = engine(params, "full")
+    ids = {"running": prompt(20, seed=8), "long": prompt(70, seed=9), "queued": prompt(9, 10)}
+    running = e.submit(ids["running"], max_new_tokens=30)
+    e.step()  # running admitted, decode call 1
+    long, queued = (e.submit(ids[k], max_new_tokens=8) for k in ("long", "queued"))
+    e.step()  # long's first chunk, decode call 2 fails
+    assert running.finish_reason == "error" and e._long is not None
+    while e.step():
+        pass
+    with pytest.raises(EngineError, match="decode fault"):
+        running.result()
+    for name, h in (("long", long), ("queued", queued)):
+        assert h.result() == alone(params, "full", ids[name], 8), name
+
+
+def test_an_engine_that_cannot_rebuild_its_state_stops(params, monkeypatch):
+    """The decode call fails and the new state cannot be allocated: the request of the call
+    ends with the fault, the waiting one with the allocation's error, the thread stops, and
+    the engine refuses new requests."""
+
+    def decode(*args, **kwargs):
+        raise RuntimeError("decode fault")
+
+    e = engine(params, "full", slots=1)
+    e._allocate()
+    allocate = e._allocate
+
+    def no_memory():
+        if e._state is None:
+            raise MemoryError("no device memory left")
+        allocate()
+
+    monkeypatch.setattr(engine_module, "_decode", decode)
+    monkeypatch.setattr(e, "_allocate", no_memory)
+    running, waiting = (e.submit(prompt(10, seed=s), max_new_tokens=5) for s in (11, 12))
+    e.start()
+    e.wait(timeout=120)
+    assert not e._thread.is_alive()
+    assert isinstance(e.failure, MemoryError)
+    with pytest.raises(EngineError, match="decode fault"):
+        running.result(timeout=1)
+    with pytest.raises(EngineError, match="no device memory left"):
+        waiting.result(timeout=1)
+    with pytest.raises(RuntimeError, match="stopped after a fault: MemoryError"):
+        e.submit(prompt(10, seed=13), max_new_tokens=5)
+    with pytest.raises(EngineError, match="no device memory left"):
         e.step()
-    assert h.finish_reason == "error"
-    with pytest.raises(EngineError, match="device lost"):
-        list(h)
+
+
+def test_submit_and_stats_never_wait_on_a_device_dispatch(params, monkeypatch):
+    """A slot's reset (a jitted dispatch) that takes long: submit() and stats() answer
+    meanwhile (the engine's lock is not held across dispatches)."""
+    entered, release = threading.Event(), threading.Event()
+    real = engine_module._reset
+
+    def slow_reset(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_reset", slow_reset)
+    e = engine(params, "full")
+    e.submit(prompt(10, seed=14), max_new_tokens=2)
+    stepping = threading.Thread(target=lambda: [None for _ in iter(e.step, False)])
+    stepping.start()
+    try:
+        assert entered.wait(120)  # the request ended: its slot is being reset
+        asked = threading.Thread(target=lambda: (e.stats(), e.submit([1, 2], max_new_tokens=2)))
+        asked.start()
+        asked.join(10)
+        assert not asked.is_alive(), "submit() or stats() waited on the dispatch"
+    finally:
+        release.set()
+        stepping.join(120)
 
 
 def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):

@@ -159,6 +159,11 @@ def _keep_sharding(state: SlotState, mesh: Mesh | None) -> SlotState:
     return jax.lax.with_sharding_constraint(state, _state_sharding(state, mesh))
 
 
+def _lost(tree) -> bool:
+    """Some array of `tree` was deleted (donated to a program that failed)."""
+    return any(x.is_deleted() for x in jax.tree.leaves(tree))
+
+
 def _put_row(state, row, slot):
     """`row` (the same pytree with one row) written over row `slot` of `state`."""
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
@@ -477,6 +482,7 @@ class Engine:
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
         self._accepting, self._thread, self._running = True, None, False
+        self.failure: BaseException | None = None  # the fault the engine could not recover from
 
     @property
     def memory_plan(self) -> MemoryPlan:
@@ -523,6 +529,8 @@ class Engine:
         if len(stops) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids (eos included), got {len(stops)}")
         with self._lock:
+            if self.failure is not None:
+                raise RuntimeError(f"the engine stopped after a fault: {self.failure!r}")
             if not self._accepting:
                 raise RuntimeError("the engine is stopped")
             if len(self._queue) >= self.max_queue:
@@ -550,17 +558,23 @@ class Engine:
     def step(self) -> bool:
         """One scheduler iteration: free cancelled slots, admit (prefill up to prefill_chunk
         prompt tokens, or one chunk of a long prompt), one decode call, read back the previous
-        call's tokens. Returns True while work remains."""
+        call's tokens. Returns True while work remains.
+
+        A fault ends only the requests it touched, with finish_reason "error" (iterating their
+        handles raises EngineError): a request's own prefill, chunk or insert ends that
+        request; the shared decode call (or reading its tokens) ends the requests of the state,
+        which is then freed and allocated again. If it cannot be, the engine is broken:
+        `failure` is set, every request ends with it, submit() refuses, the thread stops and
+        step() raises EngineError."""
         with self._step_lock:
-            self._allocate()
-            try:
-                self._cancelled()
-                self._admit()
-                dispatched = self._decode_call()
-                self._drain(keep=1 if dispatched else 0)
-            except Exception as e:
-                self._fail(e)
-                raise
+            if self.failure is None:
+                self._allocate_or_break()
+            if self.failure is not None:
+                raise EngineError(f"the engine stopped after a fault: {self.failure!r}")
+            self._cancelled()
+            self._admit()
+            dispatched = self._decode_call()
+            self._drain(keep=1 if dispatched else 0)
             return self._busy()
 
     def start(self) -> Engine:
@@ -589,8 +603,15 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
         else:
-            while self.step():
+            while self.failure is None and self.step():
                 pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the background thread ends: after stop(), or after a fault the engine
+        could not recover from (`failure`)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -770,19 +791,22 @@ class Engine:
         self._finished[reason] += 1
 
     def _free(self, slot: int) -> None:
-        self._occupant[slot] = None
+        """The slot's row back to empty, then free (the step thread only; the dispatch is
+        made without the lock, so that submit() and stats() never wait on the device)."""
         self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv)
+        with self._lock:
+            self._occupant[slot] = None
 
     def _cancelled(self) -> None:
         with self._lock:
             for h in self._occupant:
                 if h is not None and h._cancel and not h.done:
                     self._end(h, "cancelled")
-            for slot, h in enumerate(self._occupant):
-                if h is not None and h.done:
-                    if self._long is not None and self._long.slot == slot:
-                        self._long = None
-                    self._free(slot)
+            done = [s for s, h in enumerate(self._occupant) if h is not None and h.done]
+        for slot in done:
+            if self._long is not None and self._long.slot == slot:
+                self._long = None
+            self._free(slot)
 
     def _admit(self) -> None:
         budget = self.prefill_chunk
@@ -805,9 +829,12 @@ class Engine:
             width, r = self._bucket(n), _prompt_rows(self.params)
             tokens = np.zeros((r, width), np.int32)
             tokens[:, :n] = h._prompt
-            logits, row = _prefill_row(self.params, tokens, np.full(r, n, np.int32), kv=self.kv,
-                                       max_len=self.max_len)  # fmt: skip
-            self._insert(h, slot, row, logits)
+            try:
+                logits, row = _prefill_row(self.params, tokens, np.full(r, n, np.int32),
+                                           kv=self.kv, max_len=self.max_len)  # fmt: skip
+                self._insert(h, slot, row, logits)
+            except Exception as e:
+                self._request_fault(h, slot, e)
             budget -= width
 
     def _chunk(self) -> None:
@@ -816,14 +843,18 @@ class Engine:
         r = _prompt_rows(self.params)
         tokens = np.zeros((r, C), np.int32)
         tokens[:, : len(part)] = part
-        logits, self._scratch, lp.caches = _prefill_chunk(
-            self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
-            self._scratch, lp.caches,
-        )  # fmt: skip
-        lp.offset += len(part)
-        if lp.offset == len(lp.request._prompt):
+        try:
+            logits, self._scratch, lp.caches = _prefill_chunk(
+                self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
+                self._scratch, lp.caches,
+            )  # fmt: skip
+            lp.offset += len(part)
+            if lp.offset == len(lp.request._prompt):
+                self._long = None
+                self._insert(lp.request, lp.slot, lp.caches, logits)
+        except Exception as e:
             self._long = None
-            self._insert(lp.request, lp.slot, lp.caches, logits)
+            self._request_fault(lp.request, lp.slot, e)
 
     def _insert(self, h: RequestHandle, slot: int, row, logits) -> None:
         s = h._sampling
@@ -846,9 +877,13 @@ class Engine:
         if not any(h is not None and not h.done for h in live):
             return False
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
-        self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
-                                   sampled=sampled)  # fmt: skip
-        out.copy_to_host_async()
+        try:
+            self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
+                                       sampled=sampled)  # fmt: skip
+            out.copy_to_host_async()
+        except Exception as e:
+            self._state_fault(e)
+            return False
         self._events.append((out, {s: (h, s) for s, h in enumerate(live) if h is not None}))
         self._decode_calls += 1
         return True
@@ -857,7 +892,11 @@ class Engine:
         """Reads back all but the `keep` newest device results, in order."""
         while len(self._events) > keep:
             array, owners = self._events.popleft()
-            tokens = np.asarray(array).reshape(len(array), -1)  # [rows, tokens per row]
+            try:
+                tokens = np.asarray(array).reshape(len(array), -1)  # [rows, tokens per row]
+            except Exception as e:  # the program failed on the device: the state is lost
+                self._state_fault(e)
+                return
             for s, (h, row) in owners.items():
                 for t in tokens[row]:
                     if h.done or t < 0:
@@ -867,18 +906,55 @@ class Engine:
                     if reason is not None:
                         with self._lock:
                             self._end(h, reason)
-                            self._free(s)
+                        self._free(s)
 
-    def _fail(self, error: BaseException) -> None:
-        """An exception in a step: every request in flight ends with it, the state is rebuilt."""
+    def _request_fault(self, h: RequestHandle, slot: int, error: BaseException) -> None:
+        """A fault in one request's own program (its prefill, a chunk, its insert): that
+        request ends with it and its slot is free (its row was not written). A donated input
+        the fault consumed (the state, the scratch) is allocated again; the state's loss ends
+        the requests it held (_state_fault)."""
         with self._lock:
-            for h in self._occupant:
-                if h is not None and not h.done:
-                    self._end(h, "error", error)
-            self._occupant = [None] * self.slots
-            self._long, self._events = None, collections.deque()
-            self._state = self._scratch = None
+            self._end(h, "error", error)
+            self._occupant[slot] = None
+        if _lost(self._state):
+            self._state_fault(error)
+        elif _lost(self._scratch):
+            self._scratch = None
+            self._allocate_or_break()
+
+    def _state_fault(self, error: BaseException) -> None:
+        """The shared decode call failed (or its tokens could not be read): the requests the
+        state holds end with `error`, its buffers are freed, then a new state is allocated (the
+        two never held at once). A long prompt being prefilled (its own one-row state) and the
+        queue go on."""
+        with self._lock:
+            for s, h in enumerate(self._occupant):
+                if h is not None and not (self._long is not None and self._long.slot == s):
+                    if not h.done:
+                        self._end(h, "error", error)
+                    self._occupant[s] = None
+        self._events = collections.deque()
+        state, self._state = self._state, None
+        for x in jax.tree.leaves(state):
+            if not x.is_deleted():
+                x.delete()
+        self._allocate_or_break()
+
+    def _allocate_or_break(self) -> None:
+        """_allocate(); if it fails the engine is broken (step's doc): `failure` is set, every
+        request ends with it and the thread stops."""
+        try:
             self._allocate()
+        except Exception as e:
+            with self._lock:
+                self.failure, self._accepting, self._running = e, False, False
+                for h in [*self._queue, *self._occupant]:
+                    if h is not None and not h.done:
+                        self._end(h, "error", e)
+                self._queue.clear()
+                self._occupant = [None] * self.slots
+                self._work.notify_all()
+            self._long, self._events = None, collections.deque()
 
     def _loop(self) -> None:
         while True:
@@ -887,7 +963,6 @@ class Engine:
                     self._work.wait(0.1)
                 if not self._running and not (self._events or any(self._occupant) or self._queue):
                     return
-            try:
-                self.step()
-            except Exception:  # the requests in flight carry the error (_fail)
-                pass
+            if self.failure is not None:
+                return
+            self.step()

@@ -17,8 +17,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 RATE_WINDOW_S = 10.0
 # How a request ended: the two finish reasons, the client went away, an engine fault, a 4xx
-# for its body, a full queue (429), the server stopping before it finished.
-OUTCOMES = ("stop", "length", "disconnected", "error", "invalid", "queue_full", "shutdown")
+# for its body, a full queue (429), the server still compiling (503), the server stopping
+# before it finished (503).
+OUTCOMES = (
+    "stop", "length", "disconnected", "error", "invalid", "queue_full", "not_ready", "shutdown"
+)  # fmt: skip
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -84,13 +87,19 @@ class Metrics:
                 self._recent[-1][1] += 1
             else:
                 self._recent.append([now, 1])
+            self._forget(now)
 
     def tokens_per_s(self) -> float:
         now = time.perf_counter()
         with self._lock:
-            while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
-                self._recent.popleft()
+            self._forget(now)
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def _forget(self, now: float) -> None:
+        """Drops the entries older than the window: at most RATE_WINDOW_S / 0.1 + 1 remain,
+        scraped or not."""
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

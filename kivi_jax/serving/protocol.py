@@ -3,11 +3,13 @@ server does not know is an error, never ignored), response and stream-chunk bodi
 body `{"error": {"message", "type", "param", "code"}}`.
 
 Requests follow OpenAI's fields and defaults (temperature 1, top_p 1, completions' max_tokens
-16); `top_k` and `stop_token_ids` are extensions as vLLM spells them; only n = 1 is served.
+16; a field sent as null is a field left out); `top_k` and `stop_token_ids` are extensions as
+vLLM spells them; only n = 1 is served.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -43,7 +45,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+def _finite(x):
+    """A number that is not NaN or infinite (JSON's NaN, Infinity and 1e309 parse as floats)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        name = "NaN" if math.isnan(x) else "Infinity" if x > 0 else "-Infinity"
+        raise ValueError(f"must be a finite number, got {name}")
+    return x
 
 
 class _Sampled(BaseModel):
@@ -57,7 +64,7 @@ class _Sampled(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
     seed: int | None = Field(default=None, ge=0, lt=2**32)  # None: a fresh random seed
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     n: int = 1
     stream: bool = False
@@ -71,11 +78,21 @@ class _Sampled(BaseModel):
             raise ValueError(f"only n = 1 is served, got {n}")
         return n
 
-    @field_validator("stop")
+    @field_validator("temperature", "top_p", mode="before")
     @classmethod
-    def _few_stops(cls, stop):
+    def _finite_number(cls, x):
+        return _finite(x)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        strings = stop if isinstance(stop, list) else [stop]
+        if not all(isinstance(x, str) for x in strings if x is not None):
+            raise ValueError("must be a string or a list of strings")
+        if "" in strings:
+            raise ValueError("a stop string must not be empty")
         return stop
 
     @property
@@ -90,8 +107,25 @@ class _Sampled(BaseModel):
 class CompletionRequest(_Sampled):
     """POST /v1/completions: `prompt` is text (sent as is, no chat template) or token ids."""
 
-    prompt: str | Annotated[list[int], Field(min_length=1)]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[int]
+    max_tokens: int = Field(default=16, ge=1)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_tokens(cls, n):
+        return 16 if n is None else n
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_ids(cls, prompt):
+        ids = isinstance(prompt, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prompt
+        )
+        if not (isinstance(prompt, str) or ids):
+            raise ValueError(f"must be a string or a list of token ids, got {prompt!r:.80}")
+        if prompt == []:
+            raise ValueError("the list of token ids is empty")
+        return prompt
 
 
 class TextPart(BaseModel):
@@ -104,6 +138,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # the participant's name, handed to the chat template
 
     @property
     def text(self) -> str:
@@ -141,6 +176,8 @@ def parse(model: type[BaseModel], body: bytes):
             raise APIError(400, f"{where}the field is required", param=param) from None
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"{where}unknown or unsupported field", param=param) from None
+        if err["type"] == "value_error":  # a validator's own message, without pydantic's prefix
+            raise APIError(400, f"{where}{err['ctx']['error']}", param=param) from None
         raise APIError(400, f"{where}{err['msg']}", param=param) from None
 
 

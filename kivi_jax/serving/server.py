@@ -8,9 +8,16 @@ Requests are checked before they reach the engine (kivi_jax.serving.protocol); a
 the request handle's async iterator; the text is decoded as it comes (detokenize.Detokenizer, which
 also ends the answer at a stop string and then cancels the request). A client that goes away
 cancels its request, so its slot frees within a few decode steps. An engine fault fails the
-requests it touched with a 500 naming it. On SIGTERM uvicorn stops accepting and waits up to
---shutdown-timeout seconds for the requests in flight; the engine then cancels what is left
-(those requests get a 503) and the process exits 0.
+requests it touched with a 500 naming it; an engine that cannot recover turns /health 503 and
+ends the process with status 1. The tokenizer and the chat template run off the event loop.
+
+XLA's compiled programs are kept across starts in a persistent cache (compilation_cache_dir(),
+--no-compilation-cache to turn it off): a second start with the same arguments loads them
+instead of compiling. The port is bound before the model loads (one in use ends the command at
+once, status 2). On
+SIGTERM new requests get 503 and the requests in flight have --shutdown-timeout seconds to
+finish; then the engine cancels what is left, whose clients get a 503 or an error event, and
+the process exits 0.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from kivi_jax.generate import Sampling, check_prompt
 from kivi_jax.serving import QueueFullError
@@ -45,6 +55,9 @@ from kivi_jax.serving.protocol import (
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
 RETRY_AFTER_S = 1  # told to a client whose request met a full queue (429) or a loading server
 SHUTDOWN_TIMEOUT_S = 30.0
+# After --shutdown-timeout, the time the cancelled requests' handlers have to answer before
+# uvicorn closes their connections.
+SHUTDOWN_GRACE_S = 5.0
 
 log = logging.getLogger("kivi_jax.serving")
 
@@ -104,17 +117,23 @@ class _Generation:
 
 
 class _Server:
-    def __init__(self, engine, tokenizer, *, model_name: str, max_len: int, max_body_bytes: int):
+    def __init__(self, engine, tokenizer, *, model_name: str, max_len: int, max_body_bytes: int,
+                 shutdown_timeout: float):  # fmt: skip
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.max_len, self.max_body_bytes = model_name, max_len, max_body_bytes
+        self.shutdown_timeout = shutdown_timeout
         self.metrics = Metrics(engine)
         self.ready = False
         self.stopping = False
-        self.failure: BaseException | None = None  # warmup's, if it failed
+        self.failure: BaseException | None = None  # warmup's, or the engine's past repair
+        self.exit = lambda: None  # ends the process's serving (set by uvicorn_server)
+        self._engine_stop = threading.Lock()
+        self._engine_stopped = False
 
     def warm(self) -> None:
         """Compiles the engine's programs and starts its loop (in a thread: /health answers 503
-        meanwhile)."""
+        meanwhile), then waits for the loop: an engine that stops by a fault it could not
+        recover from (engine.failure) turns /health 503 and stops the server."""
         try:
             t0 = time.perf_counter()
             self.engine.warmup()
@@ -124,6 +143,28 @@ class _Server:
         except Exception as e:
             self.failure = e
             log.exception("engine warmup failed")
+            return
+        self.engine.wait()
+        if self.engine.failure is not None:
+            self.ready, self.failure = False, self.engine.failure
+            log.error("the engine stopped after a fault: %r; exiting", self.failure)
+            self.exit()
+
+    def begin_shutdown(self) -> None:
+        """A signal: new requests get 503; the requests in flight have shutdown_timeout
+        seconds, then the engine cancels the rest (their handlers answer 503 or an error
+        event within SHUTDOWN_GRACE_S)."""
+        self.ready, self.stopping = False, True
+        timer = threading.Timer(self.shutdown_timeout, self.stop_engine)
+        timer.daemon = True
+        timer.start()
+
+    def stop_engine(self) -> None:
+        """Stops the engine (once), cancelling what it still runs."""
+        with self._engine_stop:
+            if not self._engine_stopped:
+                self.engine.stop(timeout=SHUTDOWN_GRACE_S, cancel=True)
+                self._engine_stopped = True
 
     async def body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -142,7 +183,10 @@ class _Server:
     def prompt_ids(self, req) -> list[int]:
         tok = self.tokenizer
         if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text} for m in req.messages]
+            messages = [
+                {"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {})
+                for m in req.messages
+            ]
             try:
                 text = tok.apply_chat_template(messages)
             except Exception as e:  # no template, or the template refused the messages
@@ -184,8 +228,14 @@ class _Server:
                 400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"
             )
         limit = req.answer_limit if chat else req.max_tokens
+        if limit is None and len(ids) >= self.max_len:  # a chat answer fills what is left
+            raise APIError(
+                400, f"the prompt ({len(ids)} tokens) leaves no room for an answer in the "
+                f"context of {self.max_len} tokens", param="messages",
+                code="context_length_exceeded",
+            )  # fmt: skip
         max_tokens = self.max_len - len(ids) if limit is None else limit
-        if len(ids) + max(max_tokens, 1) > self.max_len:
+        if len(ids) + max_tokens > self.max_len:
             raise APIError(
                 400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"context of {self.max_len} tokens", param="max_tokens",
@@ -195,11 +245,12 @@ class _Server:
         sampling = Sampling(
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed
         )
+        if self.stopping:
+            raise APIError(503, "the server is stopping", type="server_error", code="shutdown")
         if not self.ready:
             raise APIError(
-                503, "the server is still compiling its programs" if not self.stopping else
-                "the server is stopping", type="server_error", code="not_ready",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                503, "the server is still compiling its programs", type="server_error",
+                code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
         try:
             return self.engine.submit(
@@ -215,7 +266,7 @@ class _Server:
 
     async def answer(self, request: Request, chat: bool):
         req = parse(ChatCompletionRequest if chat else CompletionRequest, await self.body(request))
-        ids = self.prompt_ids(req)
+        ids = await asyncio.to_thread(self.prompt_ids, req)  # the tokenizer, off the loop
         handle = self.submit(req, ids)
         hidden = set(req.stop_token_ids)
         if self.tokenizer.eos_id is not None:
@@ -300,24 +351,39 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
     `shutdown_timeout` seconds and cancels the rest. `max_len` is the engine's slot capacity
     (prompt + answer tokens)."""
     server = _Server(
-        engine, tokenizer, model_name=model_name, max_len=max_len, max_body_bytes=max_body_bytes
-    )
+        engine, tokenizer, model_name=model_name, max_len=max_len, max_body_bytes=max_body_bytes,
+        shutdown_timeout=shutdown_timeout,
+    )  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         threading.Thread(target=server.warm, name="kivi-warmup", daemon=True).start()
         yield
         server.ready, server.stopping = False, True
-        await asyncio.to_thread(engine.stop, timeout=shutdown_timeout, cancel=True)
+        await asyncio.to_thread(server.stop_engine)
 
     app = FastAPI(title="kivi-serve", lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        server.metrics.outcome({429: "queue_full", 500: "error", 503: "shutdown"}.get(
-            e.status, "invalid"))  # fmt: skip
+        outcome = {429: "queue_full", 500: "error", 503: e.code}.get(e.status, "invalid")
+        server.metrics.outcome(outcome)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, e: HTTPException):
+        """Starlette's own 404 (no such path) and 405 (a method the path does not take)."""
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            message = f"{where}: no such path; see GET /v1/models, POST /v1/completions, "
+            message += "POST /v1/chat/completions, GET /health, GET /metrics"
+        elif e.status_code == 405:
+            message = f"{where}: the method is not allowed; allowed: {e.headers.get('Allow')}"
+        else:
+            message = f"{where}: {e.detail}"
+        error = APIError(e.status_code, message, code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
@@ -333,11 +399,19 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
     async def chat_completions(request: Request):
         return await server.answer(request, chat=True)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kivi-jax",
+            "max_model_len": max_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kivi-jax",
-                "max_model_len": max_len}  # fmt: skip
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")  # fmt: skip
+        return card
 
     @app.get("/health")
     async def health():
@@ -354,6 +428,55 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server whose signal handler also starts the app's side of a shutdown
+    (_Server.begin_shutdown), and which an engine broken past repair stops."""
+
+    def __init__(self, app: FastAPI, **config):
+        self.app_server = app.state.server
+        grace = self.app_server.shutdown_timeout + SHUTDOWN_GRACE_S
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace, **config))
+        self.app_server.exit = self._exit
+
+    def _exit(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.app_server.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_server(app: FastAPI, **config) -> uvicorn.Server:
+    """A uvicorn server (`config`: uvicorn.Config's arguments) for create_app's app."""
+    return _Uvicorn(app, **config)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (a port in use fails at once)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def compilation_cache_dir() -> str:
+    """Where kivi-serve keeps XLA's compiled programs: $XDG_CACHE_HOME/kivi-jax/xla, by default
+    ~/.cache/kivi-jax/xla (JAX's persistent compilation cache: keyed by the program, the
+    device, jax's version and XLA's flags, so a stale entry is never used)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kivi-jax", "xla")
+
+
+def _use_compilation_cache() -> None:
+    """Every program compiled from now on is written to (or read from) the persistent cache,
+    however short its compile."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _slots(text: str) -> int | None:
@@ -415,6 +538,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program at start instead of loading those a previous "
+        f"start compiled from {compilation_cache_dir()} (default: the cache is on)",
+    )
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM, seconds the requests in flight may take to finish before "
                    f"they are cancelled (default: {SHUTDOWN_TIMEOUT_S:g})")  # fmt: skip
@@ -429,6 +558,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        sys.stderr.write(f"kivi-serve: error: {e}\n")
+        return 2
+    if not args.no_compilation_cache:
+        _use_compilation_cache()
+    try:
         mesh = mesh_from_args(args)
         model = load_model_from_args(args, mesh=mesh)
         engine = Engine(
@@ -438,9 +574,9 @@ def main(argv: list[str] | None = None) -> int:
             memory_budget=None if args.memory_budget is None else int(args.memory_budget * 1e9),
         )  # fmt: skip
     except (ModelLoadError, ValueError) as e:
+        sock.close()
         sys.stderr.write(f"kivi-serve: error: {e}\n")
         return 2
-    import uvicorn
 
     name = os.path.splitext(os.path.basename(os.path.normpath(model.source)))[0]
     app = create_app(
@@ -450,9 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGTERM (a graceful shutdown), then raises it again under the handler it
     # found at start: this one makes the process end with 0 rather than die by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port,
-                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
-    return 0
+    return serve(app, sock, host=args.host, port=args.port)
+
+
+def serve(app: FastAPI, sock: socket.socket, **config) -> int:
+    """Serves create_app's app on the bound socket until a signal or an engine broken past
+    repair; returns the exit status: 0, or 1 if the engine (or its warmup) failed."""
+    uvicorn_server(app, **config).run(sockets=[sock])
+    return 0 if app.state.server.failure is None else 1
 
 
 if __name__ == "__main__":
