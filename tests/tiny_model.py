@@ -224,6 +224,11 @@ def write_hf_dir(directory: str, params: LlamaParams, **config_overrides) -> Non
         {k: np.ascontiguousarray(v) for k, v in weights.items()},
         os.path.join(directory, "model.safetensors"),
     )
+    write_tokenizer_files(directory)
+
+
+def write_tokenizer_files(directory: str) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) of the tiny vocabulary."""
     hf_tokenizer().save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(

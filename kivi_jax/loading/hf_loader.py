@@ -25,6 +25,25 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
+def _rope_fields(cfg: dict, where: str) -> tuple[float, str, dict]:
+    """(rope_theta, rope type, the type's other fields) from either spelling: transformers 5's
+    `rope_parameters` (rope_theta and rope_type inside it) or the older `rope_theta` +
+    `rope_scaling` ("type" in still older files). A missing theta is transformers' 10000."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    if params is not None and scaling is not None:
+        raise ModelLoadError(f"{where}: both rope_parameters and rope_scaling are set")
+    fields = dict(params if params is not None else scaling or {})
+    if any(isinstance(v, dict) for v in fields.values()):
+        raise ModelLoadError(f"{where}: RoPE parameters per layer type are not implemented")
+    theta = fields.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    if cfg.get("rope_theta", theta) != theta:
+        raise ModelLoadError(
+            f"{where}: rope_theta {cfg['rope_theta']} and rope_parameters' {theta} differ"
+        )
+    rope_type = fields.pop("rope_type", fields.pop("type", "default"))
+    return float(theta), rope_type, fields
+
+
 def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
     """Maps a transformers config dict to LlamaConfig, refusing what the model does not do."""
     model_type = cfg.get("model_type")
@@ -32,9 +51,9 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         raise ModelLoadError(
             f"{where}: unsupported model_type {model_type!r} (supported: {_SUPPORTED_TYPES})"
         )
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ModelLoadError(f"{where}: rope_scaling {scaling} is not implemented")
+    theta, rope_type, scaling = _rope_fields(cfg, where)
+    if rope_type != "default":
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} ({scaling}) is not implemented")
     positions = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
     if window is not None and cfg.get("use_sliding_window", True) and window < positions:
@@ -58,7 +77,7 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_context=positions,
