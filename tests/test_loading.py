@@ -35,6 +35,18 @@ def test_gguf_round_trip_undoes_the_qk_permutation(tmp_path, tied):
     assert_same_logits(model.params, params)
 
 
+@pytest.mark.parametrize("name", ["rope_freqs.weight", "blk.0.attn_q.bias"])
+def test_gguf_tensor_the_loader_does_not_read_is_an_error(tmp_path, name):
+    """llama.cpp stores Llama 3.1's RoPE scaling as a rope_freqs tensor (no scaling type in
+    the metadata): a tensor left unread would give wrong logits without a word."""
+    params = tiny_params()
+    path = str(tmp_path / "extra.gguf")
+    width = params.config.head_dim // 2 if name.startswith("rope") else params.config.hidden_size
+    write_gguf(path, params, extra={name: np.ones(width, np.float32)})
+    with pytest.raises(ModelLoadError, match=f"does not implement.*{name}"):
+        kivi_jax.load_model(path)
+
+
 def test_gguf_quantized_tensors_are_dequantized(tmp_path):
     params = tiny_params()
     path = str(tmp_path / "q8.gguf")

@@ -126,8 +126,11 @@ def _hf_weights(params: LlamaParams) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: str, params: LlamaParams, *, arch: str = "llama", quant=None) -> None:
-    """Writes params in llama.cpp's GGUF layout (Q/K rows permuted); `quant` quantizes matrices."""
+def write_gguf(
+    path: str, params: LlamaParams, *, arch: str = "llama", quant=None, extra=None
+) -> None:
+    """Writes params in llama.cpp's GGUF layout (Q/K rows permuted); `quant` quantizes matrices;
+    `extra` ({name: float32 array}) adds tensors."""
     import gguf
 
     c = params.config
@@ -185,6 +188,8 @@ def write_gguf(path: str, params: LlamaParams, *, arch: str = "llama", quant=Non
             elif g_name == "attn_k":
                 x = llama_cpp_permute(x, c.num_kv_heads)
             add(f"blk.{i}.{g_name}.weight", x)
+    for name, x in (extra or {}).items():
+        add(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -165,9 +165,12 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
     tied = "output.weight" not in tensors
     config = LlamaConfig(**{**config.__dict__, "tie_embeddings": tied})
 
+    read = set()  # every tensor the model takes; any other is an error (see the end)
+
     def tensor(name) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: missing tensor {name}")
+        read.add(name)
         return _dequantize(tensors[name])
 
     names = {
@@ -190,6 +193,7 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         return keep_quantized and tensors[name].tensor_type.name in _KEPT
 
     def stored(name, field) -> QuantizedWeight:
+        read.add(name)
         q, d, zero = _blocks(tensors[name])  # [out, in], [out, in / 32]
         if field in heads:
             q, d = _unpermute(q, heads[field]), _unpermute(d, heads[field])
@@ -221,8 +225,6 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
             raise ModelLoadError(f"{path}: layer {i}: {e}") from e
         if progress:
             progress(f"{i + 1}/{config.num_layers} layers")
-    if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
-        raise ModelLoadError(f"{path}: attention biases are not implemented")
     params = LlamaParams(
         embed=jnp.asarray(tensor("token_embd.weight"), dtype),
         layers=tuple(layers),
@@ -234,6 +236,12 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         else jnp.asarray(tensor("output.weight").T, dtype),
         config=config,
     )
+    unread = sorted(set(tensors) - read)
+    if unread:  # e.g. rope_freqs.weight (Llama 3.1's RoPE scaling) or attention biases
+        raise ModelLoadError(
+            f"{path}: {len(unread)} tensors that kivi-jax does not implement and would change "
+            f"the numbers: {', '.join(unread[:8])}{' ...' if len(unread) > 8 else ''}"
+        )
     try:
         validate_params(params)
     except ValueError as e:
