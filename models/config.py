@@ -18,6 +18,11 @@ class LlamaConfig:
       num_kv_heads: key/value heads H (Hq % H == 0; H == Hq is plain multi-head attention).
       head_dim: D, per-head width (usually hidden_size // num_heads).
       rope_theta: RoPE base frequency of the checkpoint.
+      rope_factors: None, or per rotary frequency i (head_dim / 2 of them) the divisor of
+        theta^(-2i/D): a RoPE scaling rule's result (models/rope.py: linear, llama3, yarn), or
+        a GGUF's rope_freqs tensor.
+      rope_scale: the factor on RoPE's cos and sin, so on q and k alike (yarn's attention
+        factor; 1 otherwise).
       rms_eps: RMSNorm epsilon.
       tie_embeddings: the output projection is the transposed embedding table.
       max_context: longest sequence (prompt + generated) the checkpoint was trained for.
@@ -35,6 +40,8 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_factors: tuple[float, ...] | None = None
+    rope_scale: float = 1.0
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     max_context: int = 2048
@@ -61,6 +68,16 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        factors = self.rope_factors
+        if factors is not None and (
+            not isinstance(factors, tuple)
+            or len(factors) != self.head_dim // 2
+            or not all(isinstance(f, float) and f > 0 for f in factors)
+        ):
+            raise ValueError(
+                f"LlamaConfig.rope_factors must be a tuple of head_dim / 2 = {self.head_dim // 2} "
+                f"positive floats, got {factors!r:.80}"
+            )
 
     @property
     def num_rep(self) -> int:

@@ -213,7 +213,9 @@ def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
     """
     n, h = c.num_heads, c.num_kv_heads
     qkv = _dense(x, lw.w_qkv).reshape(*x.shape[:-1], n + 2 * h, c.head_dim)
-    cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)  # [..., D/2]
+    cos, sin = rope_angles(  # [..., D/2]
+        positions, c.head_dim, c.rope_theta, c.rope_factors, c.rope_scale
+    )
     rotated = (jnp.arange(n + 2 * h) < n + h)[:, None]  # [N + 2H, 1]: the q and k heads
     cos = jnp.where(rotated, cos[..., None, :], 1.0)  # [..., N + 2H, D/2]
     sin = jnp.where(rotated, sin[..., None, :], 0.0)

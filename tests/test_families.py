@@ -7,10 +7,12 @@ Tolerance: test_hf_reference.py's (5e-4 absolute on logits; both sides compute i
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_model import TOKENS, write_tokenizer_files
+from tiny_model import TOKENS, gguf_from_hf_dir, write_tokenizer_files
 
 import kivi_jax
 
@@ -77,8 +79,55 @@ LLAMA3 = dict(  # Llama 3.1's rule, its original context (8192) scaled to the ti
 )
 
 
-def test_rope_scaling_inside_rope_parameters_is_not_ignored(tmp_path):
-    """A Llama 3.1 saved by transformers 5 has its llama3 scaling in `rope_parameters`."""
-    save_family(tmp_path, "llama", rope_parameters={**LLAMA3, "rope_theta": 500000.0})
-    with pytest.raises(kivi_jax.ModelLoadError, match="rope type 'llama3'"):
+SCALINGS = {
+    "llama3": LLAMA3,
+    "linear": dict(rope_type="linear", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=128),
+}
+
+
+@pytest.mark.parametrize("rule", SCALINGS)
+def test_rope_scaling_matches_transformers(tmp_path, rule):
+    """Each scaling rule over a prompt past the original context (300 > 128 positions), in
+    transformers 5's spelling (rope_parameters) and the older one (rope_scaling, rope_theta)."""
+    model = save_family(tmp_path, "llama", rope_parameters={**SCALINGS[rule], "rope_theta": 5e5})
+    ids = prompt_ids()
+    assert_same_logits(tmp_path, model, ids)
+    config = json.loads((tmp_path / "config.json").read_text())
+    scaling = config.pop("rope_parameters")
+    config |= {"rope_theta": scaling.pop("rope_theta"), "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_same_logits(tmp_path, model, ids)
+
+
+def test_llama3_gguf_with_rope_freqs_gives_the_safetensors_logits(tmp_path):
+    """llama.cpp stores llama3 scaling as the rope_freqs tensor (tiny_model.gguf_from_hf_dir
+    writes it as its converter does)."""
+    save_family(tmp_path, "llama", rope_parameters={**LLAMA3, "rope_theta": 5e5})
+    gguf_from_hf_dir(str(tmp_path / "m.gguf"), str(tmp_path), "llama")
+    ids = prompt_ids()
+    hf = kivi_jax.load_model(tmp_path, dtype=jnp.float32)
+    gg = kivi_jax.load_model(tmp_path / "m.gguf", dtype=jnp.float32)
+    assert gg.config.rope_factors == pytest.approx(hf.config.rope_factors, rel=1e-6)
+    np.testing.assert_allclose(
+        kivi_jax.forward(gg.params, ids), kivi_jax.forward(hf.params, ids), atol=ATOL, rtol=0
+    )
+    kivi_jax.save_model(hf, tmp_path / "saved")  # the factors survive a save (JSON lists)
+    assert kivi_jax.load_model(tmp_path / "saved").config == hf.config
+
+
+@pytest.mark.parametrize(
+    "rope_parameters, message",
+    [
+        (dict(rope_type="longrope", rope_theta=1e4), "rope type 'longrope' is not implemented"),
+        (dict(rope_type="linear", factor=2.0, partial_rotary_factor=0.5, rope_theta=1e4),
+         r"fields \['partial_rotary_factor'\] are not implemented"),
+        (dict(rope_type="llama3", factor=8.0, rope_theta=1e4), "lacks"),
+    ],
+)  # fmt: skip
+def test_rope_rules_not_implemented_are_refused(tmp_path, rope_parameters, message):
+    save_family(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": rope_parameters}))
+    with pytest.raises(kivi_jax.ModelLoadError, match=message):
         kivi_jax.load_model(tmp_path)

@@ -35,14 +35,13 @@ def test_gguf_round_trip_undoes_the_qk_permutation(tmp_path, tied):
     assert_same_logits(model.params, params)
 
 
-@pytest.mark.parametrize("name", ["rope_freqs.weight", "blk.0.attn_q.bias"])
+@pytest.mark.parametrize("name", ["blk.0.attn_output.bias", "blk.1.attn_q.bias"])
 def test_gguf_tensor_the_loader_does_not_read_is_an_error(tmp_path, name):
-    """llama.cpp stores Llama 3.1's RoPE scaling as a rope_freqs tensor (no scaling type in
-    the metadata): a tensor left unread would give wrong logits without a word."""
+    """A tensor left unread would give wrong logits without a word (as llama.cpp's rope_freqs
+    tensor, Llama 3.1's RoPE scaling, did before it was read)."""
     params = tiny_params()
     path = str(tmp_path / "extra.gguf")
-    width = params.config.head_dim // 2 if name.startswith("rope") else params.config.hidden_size
-    write_gguf(path, params, extra={name: np.ones(width, np.float32)})
+    write_gguf(path, params, extra={name: np.ones(params.config.hidden_size, np.float32)})
     with pytest.raises(ModelLoadError, match=f"does not implement.*{name}"):
         kivi_jax.load_model(path)
 

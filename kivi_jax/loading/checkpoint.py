@@ -136,7 +136,9 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
             f"{_FORMAT!r} (save the model again with this version's save_model)"
         )
     try:
-        config = LlamaConfig(**meta["config"])
+        # JSON gives lists where the config holds tuples (rope_factors)
+        as_tuple = lambda v: tuple(v) if isinstance(v, list) else v
+        config = LlamaConfig(**{k: as_tuple(v) for k, v in meta["config"].items()})
         saved_dtype = jnp.dtype(meta["dtype"])
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(

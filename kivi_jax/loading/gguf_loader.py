@@ -13,6 +13,7 @@ gate/up) whose parts are not all of one kept type; embeddings and norms always a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -164,8 +165,14 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
     config = _config(fields, path)
     tied = "output.weight" not in tensors
     config = LlamaConfig(**{**config.__dict__, "tie_embeddings": tied})
-
     read = set()  # every tensor the model takes; any other is an error (see the end)
+    if "rope_freqs.weight" in tensors:  # llama3 scaling as llama.cpp stores it: the factors
+        read.add("rope_freqs.weight")
+        factors = tuple(float(f) for f in _dequantize(tensors["rope_freqs.weight"]))
+        try:
+            config = dataclasses.replace(config, rope_factors=factors)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: rope_freqs.weight: {e}") from None
 
     def tensor(name) -> np.ndarray:
         if name not in tensors:

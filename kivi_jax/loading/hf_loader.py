@@ -15,6 +15,7 @@ import numpy as np
 
 from kivi_jax.loading.errors import ModelLoadError
 from kivi_jax.loading.tokenizer import Tokenizer
+from kivi_jax.models import rope
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 
@@ -51,10 +52,16 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         raise ModelLoadError(
             f"{where}: unsupported model_type {model_type!r} (supported: {_SUPPORTED_TYPES})"
         )
-    theta, rope_type, scaling = _rope_fields(cfg, where)
-    if rope_type != "default":
-        raise ModelLoadError(f"{where}: rope type {rope_type!r} ({scaling}) is not implemented")
     positions = int(cfg.get("max_position_embeddings", 2048))
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    theta, rope_type, scaling = _rope_fields(cfg, where)
+    try:
+        factors, scale = rope.scaling(
+            rope_type, scaling, head_dim=head_dim, theta=theta, max_positions=positions
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {e}") from None
     window = cfg.get("sliding_window")
     if window is not None and cfg.get("use_sliding_window", True) and window < positions:
         raise ModelLoadError(
@@ -68,7 +75,6 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not implemented (only silu)")
     if cfg.get("pretraining_tp", 1) != 1:
         raise ModelLoadError(f"{where}: pretraining_tp != 1 is not implemented")
-    heads = int(cfg["num_attention_heads"])
     return LlamaConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -76,8 +82,10 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        head_dim=head_dim,
         rope_theta=theta,
+        rope_factors=factors,
+        rope_scale=scale,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_context=positions,
