@@ -24,6 +24,9 @@ class LlamaConfig:
       rope_scale: the factor on RoPE's cos and sin, so on q and k alike (yarn's attention
         factor; 1 otherwise).
       rms_eps: RMSNorm epsilon.
+      qkv_bias: the q, k and v projections add a bias (Qwen2; `LayerWeights.b_qkv`).
+      qk_norm: each query and key head is RMS-normalized over head_dim (weights
+        `LayerWeights.q_norm`, `k_norm`) before RoPE (Qwen3).
       tie_embeddings: the output projection is the transposed embedding table.
       max_context: longest sequence (prompt + generated) the checkpoint was trained for.
       tensor_parallel_axis: None for a model. Set only in the config of one shard under
@@ -43,6 +46,8 @@ class LlamaConfig:
     rope_factors: tuple[float, ...] | None = None
     rope_scale: float = 1.0
     rms_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
     tie_embeddings: bool = True
     max_context: int = 2048
     tensor_parallel_axis: str | None = None

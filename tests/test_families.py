@@ -34,15 +34,28 @@ TINY = dict(  # 2 layers, 8 query / 2 KV heads of width 32
     bos_token_id=0,
     eos_token_id=2,
 )
-CLASSES = {"llama": "LlamaForCausalLM"}
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def save_family(directory, model_type: str, **config):
     """A random `model_type` model saved by transformers into `directory` with the tiny
-    tokenizer; returns the torch model (float32, eval mode)."""
+    tokenizer; returns the torch model (float32, eval mode). Biases and norm weights, which
+    transformers initializes to 0 and 1, are drawn at random too, so that a bias or norm read
+    wrongly shows in the logits."""
     cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **config})
     torch.manual_seed(0)
     model = getattr(transformers, CLASSES[model_type])(cfg).eval()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("bias"):
+                w.normal_(0.0, 0.5)
+            elif "norm" in name:
+                w.normal_(1.0, 0.2)
     model.save_pretrained(directory)
     write_tokenizer_files(str(directory))
     return model
@@ -131,3 +144,72 @@ def test_rope_rules_not_implemented_are_refused(tmp_path, rope_parameters, messa
     (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": rope_parameters}))
     with pytest.raises(kivi_jax.ModelLoadError, match=message):
         kivi_jax.load_model(tmp_path)
+
+
+# Each family with its switches, as its published sizes set them (README's table).
+FAMILIES = {
+    "llama3.2": (
+        "llama",
+        dict(tie_word_embeddings=True, rope_parameters={**LLAMA3, "rope_theta": 5e5}),
+    ),
+    "qwen2.5": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("qwen3", dict(head_dim=64, rope_theta=1e6)),
+}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+NEW = 16
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(directory, torch model, name) of one family's tiny checkpoint, made once per module."""
+    model_type, config = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    return directory, save_family(directory, model_type, **config), request.param
+
+
+def test_logits_match_transformers(family):
+    directory, model, _ = family
+    assert_same_logits(directory, model, prompt_ids())
+
+
+def test_greedy_full_cache_tokens_match_transformers_generate(family):
+    directory, model, _ = family
+    ids = prompt_ids()
+    model.generation_config.eos_token_id = None  # 16 tokens, as ours without an eos
+    with torch.no_grad():
+        theirs = model.generate(torch.as_tensor(ids), max_new_tokens=NEW, do_sample=False)
+    params = kivi_jax.load_model(directory, dtype=jnp.float32).params
+    ours = kivi_jax.generate(params, ids, kv="full", max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(ours), theirs[:, ids.shape[1] :].numpy())
+
+
+@pytest.mark.parametrize("kv", ["kivi2", "kivi2-mix"])
+def test_kivi_caches_run_through_generate_and_the_engine(family, kv):
+    """The quantized caches through generate and the engine: the engine's greedy tokens for a
+    prompt are generate's for it alone."""
+    from kivi_jax.serving import Engine
+
+    directory, _, _ = family
+    params = kivi_jax.load_model(directory, dtype=jnp.float32).params
+    ids = prompt_ids(200, seed=1)
+    alone = np.asarray(kivi_jax.generate(params, ids, kv=kv, max_new_tokens=NEW))[0]
+    assert alone.shape == (NEW,) and ((alone >= 0) & (alone < len(TOKENS))).all()
+    engine = Engine(params, kv=kv, slots=1, max_len=256, prefill_chunk=128, decode_steps=8)
+    handle = engine.submit(ids[0].tolist(), max_new_tokens=NEW)
+    while engine.step():
+        pass
+    assert handle.result() == alone.tolist()
+
+
+def test_gguf_gives_the_safetensors_logits(family):
+    """The same weights written as llama.cpp's converter writes the family's architecture."""
+    directory, _, name = family
+    arch = GGUF_ARCH[FAMILIES[name][0]]
+    path = str(directory / f"{arch}.gguf")
+    gguf_from_hf_dir(path, str(directory), arch)
+    ids = prompt_ids()
+    hf = kivi_jax.load_model(directory, dtype=jnp.float32)
+    gg = kivi_jax.load_model(path, dtype=jnp.float32)
+    np.testing.assert_allclose(
+        kivi_jax.forward(gg.params, ids), kivi_jax.forward(hf.params, ids), atol=ATOL, rtol=0
+    )

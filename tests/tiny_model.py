@@ -290,7 +290,7 @@ def gguf_from_hf_dir(path: str, directory: str, arch: str) -> None:
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if arch != "qwen2":  # the converter writes head_dim where the config has one
+    if cfg.get("head_dim") is not None:  # the converter writes it where the config has one
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])

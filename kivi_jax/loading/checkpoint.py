@@ -67,7 +67,11 @@ def _to_tree(params: LlamaParams) -> dict:
         "embed": params.embed,
         "final_norm": params.final_norm,
         "layers": [
-            {f.name: _entry(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)}
+            {
+                f.name: _entry(getattr(lw, f.name))
+                for f in dataclasses.fields(LayerWeights)
+                if getattr(lw, f.name) is not None  # a bias or q/k norm the model has not
+            }
             for lw in params.layers
         ],
     }

@@ -26,7 +26,9 @@ from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 from kivi_jax.weights import QuantizedWeight
 
 _MAGIC = b"GGUF"
-_SUPPORTED_ARCHS = ("llama",)  # SmolLM and Mistral GGUFs are written as "llama"
+# SmolLM, Llama 3.x and Mistral GGUFs are written as "llama" (Q/K rows permuted); "qwen2" (q/k/v
+# biases) and "qwen3" (q/k norms) keep the checkpoint's rows (NEOX-style RoPE: rotate-half).
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def is_gguf(path: str) -> bool:
@@ -108,6 +110,8 @@ def _config(fields: dict, path: str) -> LlamaConfig:
         head_dim=head_dim,
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         tie_embeddings=False,  # decided below from the tensors present
         max_context=int(get("context_length")),
     )
@@ -191,7 +195,13 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         "w_up": "ffn_up.weight",
         "w_down": "ffn_down.weight",
     }
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}  # rows permuted by llama.cpp
+    if config.qkv_bias:
+        names |= {f"b{p}": f"attn_{p}.bias" for p in "qkv"}
+    if config.qk_norm:
+        names |= {f"{p}_norm": f"attn_{p}_norm.weight" for p in "qk"}
+    # rows permuted by llama.cpp for "llama" only
+    arch = fields["general.architecture"]
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if arch == "llama" else {}
     fused = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
     def kept(name) -> bool:
@@ -215,7 +225,8 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
     layers = []
     for i in range(config.num_layers):
         weights = {}
-        for group in [("attn_norm",), ("mlp_norm",), *fused]:
+        vectors = [(f,) for f in names if f in ("bq", "bk", "bv", "q_norm", "k_norm")]
+        for group in [("attn_norm",), ("mlp_norm",), *vectors, *fused]:
             gnames = [f"blk.{i}.{names[f]}" for f in group]
             if group in fused and all(kept(n) for n in gnames):
                 if len({tensors[n].tensor_type for n in gnames}) == 1:

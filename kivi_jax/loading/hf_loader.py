@@ -19,7 +19,7 @@ from kivi_jax.models import rope
 from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 
-_SUPPORTED_TYPES = ("llama", "mistral")
+_SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -68,8 +68,11 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
             f"{where}: sliding-window attention (window {window} < context {positions}) "
             "is not implemented"
         )
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{where}: attention/MLP biases are not implemented")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases go unsaid
+        raise ModelLoadError(
+            f"{where}: attention_bias / mlp_bias (biases on the output projection or the MLP) "
+            "are not implemented"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not implemented (only silu)")
@@ -87,6 +90,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         rope_factors=factors,
         rope_scale=scale,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_context=positions,
     )
@@ -156,14 +161,19 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
     tensors = _tensors(path)
     prefix = "model." if "model.embed_tokens.weight" in tensors else ""
 
+    read = set()  # every tensor the model takes; any other is an error (see the end)
+
     def get(name) -> np.ndarray:
         key = prefix + name
         if key not in tensors:
             raise ModelLoadError(f"{path}: missing tensor {key}")
+        read.add(key)
         return tensors[key]
 
     names = {
         "attn_norm": "input_layernorm.weight",
+        **({f"b{p}": f"self_attn.{p}_proj.bias" for p in "qkv"} if config.qkv_bias else {}),
+        **({f"{p}_norm": f"self_attn.{p}_norm.weight" for p in "qk"} if config.qk_norm else {}),
         "wq": "self_attn.q_proj.weight",
         "wk": "self_attn.k_proj.weight",
         "wv": "self_attn.v_proj.weight",
@@ -190,6 +200,11 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         if "lm_head.weight" not in tensors:
             raise ModelLoadError(f"{path}: missing lm_head.weight (and tie_word_embeddings=false)")
         lm_head = jnp.asarray(tensors["lm_head.weight"], dtype).T
+        read.add("lm_head.weight")
+    elif "lm_head.weight" in tensors and np.array_equal(
+        np.asarray(tensors["lm_head.weight"]), np.asarray(get("embed_tokens.weight"))
+    ):
+        read.add("lm_head.weight")  # tied, and stored anyway
     params = LlamaParams(
         embed=jnp.asarray(get("embed_tokens.weight"), dtype),
         layers=tuple(layers),
@@ -197,6 +212,14 @@ def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
         lm_head=lm_head,
         config=config,
     )
+    # RoPE's frequencies, stored by some older conversions, are the config's
+    read |= {n for n in tensors if n.endswith("rotary_emb.inv_freq")}
+    unread = sorted(set(tensors) - read)
+    if unread:
+        raise ModelLoadError(
+            f"{path}: {len(unread)} tensors that kivi-jax does not implement and would change "
+            f"the numbers: {', '.join(unread[:8])}{' ...' if len(unread) > 8 else ''}"
+        )
     try:
         validate_params(params)
     except ValueError as e:
