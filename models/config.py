@@ -27,6 +27,8 @@ class LlamaConfig:
       qkv_bias: the q, k and v projections add a bias (Qwen2; `LayerWeights.b_qkv`).
       qk_norm: each query and key head is RMS-normalized over head_dim (weights
         `LayerWeights.q_norm`, `k_norm`) before RoPE (Qwen3).
+      sliding_window: None, or W: each query attends to itself and the W - 1 tokens before it
+        (Mistral-7B-v0.1's 4096); the KV state still holds every token (docs/design.md).
       tie_embeddings: the output projection is the transposed embedding table.
       max_context: longest sequence (prompt + generated) the checkpoint was trained for.
       tensor_parallel_axis: None for a model. Set only in the config of one shard under
@@ -48,6 +50,7 @@ class LlamaConfig:
     rms_eps: float = 1e-5
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
     tie_embeddings: bool = True
     max_context: int = 2048
     tensor_parallel_axis: str | None = None
@@ -73,6 +76,13 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"LlamaConfig.sliding_window must be None or a positive int, got "
+                f"{self.sliding_window!r}"
+            )
         factors = self.rope_factors
         if factors is not None and (
             not isinstance(factors, tuple)

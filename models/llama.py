@@ -322,6 +322,7 @@ def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
             k,
             v,
             is_causal=True,
+            local_window_size=None if c.sliding_window is None else (c.sliding_window - 1, 0),
             key_value_seq_lengths=lengths,
             scale=1.0 / math.sqrt(c.head_dim),
             implementation=_prompt_attention_impl(q.dtype),
@@ -389,6 +390,11 @@ def _prompt_pass(params, tokens, lengths, attention, collect: bool):
     """Every block over the prompt: (h [B, S, d], per layer (q, k, v) if collect)."""
     c = params.config
     B, S = tokens.shape
+    if attention is not None and c.sliding_window is not None:
+        raise NotImplementedError(
+            f"a replaced prompt attention does not apply the model's sliding window "
+            f"({c.sliding_window} tokens)"
+        )
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     h, qkv = _embed(params, tokens), []
     for lw in params.layers:
@@ -582,7 +588,7 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
         cache = cache_append(cache, k, v, active=active, q=q)
-        attn = decode_attention(q, cache)  # [B, N, D], includes this token
+        attn = decode_attention(q, cache, window=c.sliding_window)  # [B, N, D], with this token
         h = h + _sum_shards(_dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo), c)
         h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
         updated.append(cache)
@@ -628,7 +634,9 @@ def prefill_chunk(
     B, C = tokens.shape
     P = scratch[0][0].shape[1]
     positions = jnp.broadcast_to(offset + jnp.arange(C, dtype=jnp.int32), (B, C))
-    mask = (jnp.arange(P)[None, :] <= positions[0][:, None])[None, None]  # [1, 1, C, P]
+    behind = positions[0][:, None] - jnp.arange(P)[None, :]  # [C, P]: query minus key position
+    seen = behind >= 0 if c.sliding_window is None else (behind >= 0) & (behind < c.sliding_window)
+    mask = seen[None, None]  # [1, 1, C, P]
     h, out, kept = _embed(params, tokens), [], []
     for lw, cache, (sk, sv) in zip(params.layers, caches, scratch, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)

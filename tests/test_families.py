@@ -154,6 +154,7 @@ FAMILIES = {
     ),
     "qwen2.5": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": ("qwen3", dict(head_dim=64, rope_theta=1e6)),
+    "mistral": ("mistral", dict(sliding_window=64)),  # a window shorter than the prompt
 }
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 NEW = 16
@@ -204,6 +205,8 @@ def test_kivi_caches_run_through_generate_and_the_engine(family, kv):
 def test_gguf_gives_the_safetensors_logits(family):
     """The same weights written as llama.cpp's converter writes the family's architecture."""
     directory, _, name = family
+    if FAMILIES[name][0] not in GGUF_ARCH:
+        pytest.skip("llama.cpp writes Mistral as 'llama' without its window")
     arch = GGUF_ARCH[FAMILIES[name][0]]
     path = str(directory / f"{arch}.gguf")
     gguf_from_hf_dir(path, str(directory), arch)
@@ -213,3 +216,19 @@ def test_gguf_gives_the_safetensors_logits(family):
     np.testing.assert_allclose(
         kivi_jax.forward(gg.params, ids), kivi_jax.forward(hf.params, ids), atol=ATOL, rtol=0
     )
+
+
+def test_sliding_window_reaches_the_reference_only(rng):
+    """The fused kernels do not apply a window: impl="pallas" says so, "auto" takes the
+    reference, which reads only the last W tokens."""
+    cache = kivi_jax.init_cache(
+        kivi_jax.KIVI2, batch=2, max_len=256, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16
+    )
+    k, v = (jnp.asarray(rng.normal(size=(2, 200, 2, 64)), jnp.bfloat16) for _ in range(2))
+    cache = kivi_jax.prefill(cache, k, v, lengths=jnp.asarray([200, 90]))
+    q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        kivi_jax.decode_attention(q, cache, impl="pallas", interpret=True, window=64)
+    out = kivi_jax.decode_attention(q, cache, window=64)
+    np.testing.assert_array_equal(out, kivi_jax.decode_attention_reference(q, cache, 64))
+    assert not np.allclose(out, kivi_jax.decode_attention(q, cache), atol=1e-2)

@@ -102,7 +102,7 @@ def test_hf_directory_loads_to_the_same_logits(tmp_path):
     "overrides, message",
     [
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope type 'llama3'"),
-        (dict(model_type="mistral", sliding_window=64), "sliding-window"),
+        (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt2"), "unsupported model_type"),
         (dict(attention_bias=True), "biases"),
     ],

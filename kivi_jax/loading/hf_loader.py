@@ -63,11 +63,15 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
     except ValueError as e:
         raise ModelLoadError(f"{where}: {e}") from None
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True) and window < positions:
-        raise ModelLoadError(
-            f"{where}: sliding-window attention (window {window} < context {positions}) "
-            "is not implemented"
-        )
+    if model_type in ("qwen2", "qwen3"):  # published sizes: use_sliding_window false
+        if cfg.get("use_sliding_window"):
+            raise ModelLoadError(
+                f"{where}: use_sliding_window (a window on Qwen's upper layers only) is not "
+                "implemented"
+            )
+        window = None
+    elif window is not None and window >= positions:
+        window = None  # no sequence the model takes reaches past it
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases go unsaid
         raise ModelLoadError(
             f"{where}: attention_bias / mlp_bias (biases on the output projection or the MLP) "
@@ -94,6 +98,7 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         qk_norm=model_type == "qwen3",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_context=positions,
+        sliding_window=None if window is None else int(window),
     )
 
 
