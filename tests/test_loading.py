@@ -105,6 +105,10 @@ def test_hf_directory_loads_to_the_same_logits(tmp_path):
         (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt2"), "unsupported model_type"),
         (dict(attention_bias=True), "biases"),
+        (dict(model_type="gemma2"), "Gemma models"),
+        (dict(model_type="mixtral"), "mixture-of-experts"),
+        (dict(num_local_experts=8), r"config fields \['num_local_experts'\] are not"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     ],
 )
 def test_hf_directory_refuses_unimplemented_features(tmp_path, overrides, message):

@@ -20,6 +20,33 @@ from kivi_jax.models.config import LlamaConfig
 from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Families refused by name (what they need is not implemented).
+_GEMMA = ("gemma", "gemma2", "gemma3", "gemma3_text")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "llama4", "olmoe")
+
+# Every config.json field: read (the model's shape and numerics, or checked below), or known to
+# leave the numbers alone. Any other field is a ModelLoadError naming it, never a default.
+_READ = frozenset(
+    {
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
+        "rope_parameters", "attention_bias", "mlp_bias", "pretraining_tp", "sliding_window",
+        "use_sliding_window", "layer_types", "bos_token_id", "eos_token_id",
+    }
+)  # fmt: skip
+_HARMLESS = {
+    "architectures": "the transformers class name",
+    "transformers_version": "the version that wrote the file",
+    "torch_dtype": "the stored dtype (the tensors carry theirs)",
+    "dtype": "the stored dtype (transformers 5's name)",
+    "use_cache": "a transformers runtime option",
+    "initializer_range": "training only",
+    "attention_dropout": "training only",
+    "pad_token_id": "the tokenizer's padding, not used",
+    "max_window_layers": "Qwen's windowed layers, none with use_sliding_window false",
+    "_name_or_path": "where the checkpoint came from",
+}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -48,10 +75,25 @@ def _rope_fields(cfg: dict, where: str) -> tuple[float, str, dict]:
 def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
     """Maps a transformers config dict to LlamaConfig, refusing what the model does not do."""
     model_type = cfg.get("model_type")
+    if model_type in _GEMMA:
+        raise ModelLoadError(f"{where}: Gemma models ({model_type!r}) are not implemented")
+    if model_type in _MOE:
+        raise ModelLoadError(
+            f"{where}: mixture-of-experts models ({model_type!r}) are not implemented"
+        )
     if model_type not in _SUPPORTED_TYPES:
         raise ModelLoadError(
             f"{where}: unsupported model_type {model_type!r} (supported: {_SUPPORTED_TYPES})"
         )
+    unknown = sorted(set(cfg) - _READ - set(_HARMLESS))
+    if unknown:
+        raise ModelLoadError(
+            f"{where}: config fields {unknown} are not implemented (kivi_jax/loading/"
+            "hf_loader.py lists the fields it reads and those that leave the numbers alone)"
+        )
+    layer_types = set(cfg.get("layer_types") or ())
+    if layer_types - {"full_attention"}:
+        raise ModelLoadError(f"{where}: layer_types {sorted(layer_types)} are not implemented")
     positions = int(cfg.get("max_position_embeddings", 2048))
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
