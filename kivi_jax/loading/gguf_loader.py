@@ -159,7 +159,7 @@ _KEPT = ("Q8_0", "Q4_0", "Q4_1")
 
 
 def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: bool = False):
-    """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer).
+    """Loads a GGUF file of architecture llama, qwen2 or qwen3. Returns (LlamaParams, Tokenizer).
 
     keep_quantized: keep Q8_0 / Q4_0 / Q4_1 linear layers as QuantizedWeights (module docstring).
     """

@@ -1,7 +1,9 @@
 """Hugging Face-style directories: config.json + *.safetensors + tokenizer.json.
 
-Llama, Mistral and SmolLM-family checkpoints (model_type "llama" or "mistral"). Features the model
-does not implement are refused with a clear error rather than giving silently wrong logits.
+model_type "llama" (Llama 3.x, SmolLM), "mistral", "qwen2" and "qwen3", mapped onto the one model's
+config switches (docs/design.md). Every config.json field is read or listed as harmless, and
+every tensor read: anything else, and features the model does not implement, are refused with a
+clear error rather than giving silently wrong logits.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def _tokenizer(path: str, cfg: dict) -> Tokenizer:
 
 
 def load_hf(path: str, *, dtype=jnp.bfloat16, progress=None):
-    """Loads a Hugging Face Llama/Mistral directory. Returns (LlamaParams, Tokenizer)."""
+    """Loads a Hugging Face directory (module doc). Returns (LlamaParams, Tokenizer)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
