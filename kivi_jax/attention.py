@@ -31,10 +31,12 @@ def check_decode_inputs(q: jax.Array, cache: Cache) -> int:
     return hq // cache.num_kv_heads
 
 
-def decode_attention_reference(q: jax.Array, cache: Cache) -> jax.Array:
+def decode_attention_reference(q: jax.Array, cache: Cache, window: int | None = None) -> jax.Array:
     """softmax(q . K / sqrt(d)) . V over each sequence's held tokens, in float32.
 
     q: [batch, q_heads, head_dim]; query head h reads KV head h // (q_heads // kv_heads).
+    window: None, or W: only the last W tokens of each sequence (the query's own and the W - 1
+      before it; a sliding-window model's).
     Returns [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
     """
     n_rep = check_decode_inputs(q, cache)
@@ -43,7 +45,10 @@ def decode_attention_reference(q: jax.Array, cache: Cache) -> jax.Array:
     qg = q.astype(jnp.float32).reshape(b, hq // n_rep, n_rep, d)  # [B, H, rep, D]
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bhrd,bhtd->bhrt", qg, k, precision=hi) / jnp.sqrt(jnp.float32(d))
-    held = jnp.arange(k.shape[2]) < cache.lengths[:, None, None, None]  # [B, 1, 1, C]
+    t, n = jnp.arange(k.shape[2]), cache.lengths[:, None, None, None]
+    held = t < n  # [B, 1, 1, C]
+    if window is not None:
+        held &= t >= n - window
     s = jnp.where(held, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(held, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
@@ -79,7 +84,12 @@ def decode_attention_cudnn(q: jax.Array, cache: FullCache) -> jax.Array:
 
 
 def decode_attention(
-    q: jax.Array, cache: Cache, *, impl: str = "auto", interpret: bool = False
+    q: jax.Array,
+    cache: Cache,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    window: int | None = None,
 ) -> jax.Array:
     """Attention of one new query per sequence over everything the cache holds.
 
@@ -92,6 +102,9 @@ def decode_attention(
         e.g. kivi2-mix) and cuDNN's attention for a bfloat16/float16 FullCache, on a TPU the
         TPU kernel where it applies (plain KIVI only), else the reference.
       interpret: run a Pallas kernel in interpret mode (CPU tests).
+      window: None, or a sliding window of W tokens (`LlamaConfig.sliding_window`): only the
+        last W tokens are read. The reference applies it; the fused kernels and cuDNN do not
+        ("pallas", "pallas_tpu": NotImplementedError; "auto": the reference; docs/design.md).
 
     Returns:
       [batch, q_heads, head_dim] in q's dtype.
@@ -100,7 +113,14 @@ def decode_attention(
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     check_decode_inputs(q, cache)
     if impl == "reference":
-        return decode_attention_reference(q, cache)
+        return decode_attention_reference(q, cache, window)
+    if window is not None:
+        if impl != "auto":
+            raise NotImplementedError(
+                f"impl={impl!r}: the fused kernels do not apply a sliding window "
+                f"(window={window}); impl='auto' or 'reference' does"
+            )
+        return decode_attention_reference(q, cache, window)
     # Imported here: the kernel modules (Triton, TPU lowering helpers) load when first used.
     from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 

@@ -56,6 +56,9 @@ _LAYER_SPECS = {
     "mlp_norm": P(),
     "w_gate_up": P(None, MODEL_AXIS),  # per-shard column order
     "w_down": P(MODEL_AXIS, None),
+    "b_qkv": P(MODEL_AXIS),  # w_qkv's columns, in their order
+    "q_norm": P(),
+    "k_norm": P(),
 }
 
 
@@ -164,7 +167,10 @@ def _weight_spec(name: str, w, spec: P, m: int):
     """The spec of weight `name`: `spec` for a float array; for a QuantizedWeight, that of each
     of its arrays. A column split takes each array's columns alike. A row split takes the
     scales' and zero points' rows of the groups that its rows fall in: each shard's rows must
-    be whole groups; per-channel scales (one row) are replicated."""
+    be whole groups; per-channel scales (one row) are replicated. None for an absent weight
+    (a bias or q/k norm the model has not)."""
+    if w is None:
+        return None
     if not isinstance(w, QuantizedWeight):
         return spec
     scales = spec
@@ -238,15 +244,18 @@ def shard_params(params: LlamaParams, mesh: Mesh) -> LlamaParams:
     m = _model_size(mesh)
     cols = {
         "w_qkv": _qkv_columns(params.config, m),
+        "b_qkv": _qkv_columns(params.config, m),
         "w_gate_up": _gate_up_columns(params.config, m),
     }
     shardings = param_sharding(params, mesh)
 
     def place(name, x, sharding):
-        if name in cols and not np.array_equal(cols[name], np.arange(x.shape[1])):
+        if x is None:  # a bias or q/k norm the model has not
+            return None
+        if name in cols and not np.array_equal(cols[name], np.arange(x.shape[-1])):
             # one reordered matrix at a time (a quantized one's arrays alike, all per column):
             # done before the next one starts
-            x = jax.tree.map(lambda a: jnp.take(a, cols[name], axis=1), x)
+            x = jax.tree.map(lambda a: jnp.take(a, cols[name], axis=-1), x)
             return jax.block_until_ready(jax.device_put(x, sharding))
         return jax.device_put(x, sharding)
 
@@ -279,7 +288,7 @@ def restore_targets(abstract: LlamaParams, mesh: Mesh) -> LlamaParams:
     m = _model_size(mesh)
 
     def target(x, sharding):
-        if sharding.spec == P(None, MODEL_AXIS) and x.shape[1] % m:
+        if tuple(sharding.spec)[-1:] == (MODEL_AXIS,) and x.shape[-1] % m:
             sharding = NamedSharding(mesh, P())
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
@@ -295,6 +304,7 @@ def unshard_params(params: LlamaParams) -> LlamaParams:
     inverse = {}
     for name, cols in (
         ("w_qkv", _qkv_columns(params.config, m)),
+        ("b_qkv", _qkv_columns(params.config, m)),
         ("w_gate_up", _gate_up_columns(params.config, m)),
     ):
         _, inverse[name] = np.unique(cols, return_index=True)  # the first copy of each column
@@ -302,7 +312,7 @@ def unshard_params(params: LlamaParams) -> LlamaParams:
         dataclasses.replace(
             lw,
             **{
-                n: jax.tree.map(lambda a, idx=idx: jnp.take(a, idx, axis=1), getattr(lw, n))
+                n: jax.tree.map(lambda a, idx=idx: jnp.take(a, idx, axis=-1), getattr(lw, n))
                 for n, idx in inverse.items()
             },
         )

@@ -48,7 +48,9 @@ from kivi_jax.weights import QuantizedWeight, concat_columns, dense, storage_bit
 class LayerWeights:
     """One decoder block's weights (x @ w layout: [in, out]). Build it from the separate
     projections with `from_projections`; `wq` ... `w_up` read them back (slices). The four
-    matrices are float arrays or `QuantizedWeight`s (kivi_jax.weights); the norms are float."""
+    matrices are float arrays or `QuantizedWeight`s (kivi_jax.weights); the norms and biases
+    are float. The biases and q/k norms are there where the config's switches ask for them
+    (`LlamaConfig.qkv_bias`, `qk_norm`), else None."""
 
     attn_norm: jax.Array  # [d]
     w_qkv: jax.Array | QuantizedWeight  # [d, N*D + 2*H*D]: q, k, v projections side by side
@@ -56,12 +58,17 @@ class LayerWeights:
     mlp_norm: jax.Array  # [d]
     w_gate_up: jax.Array | QuantizedWeight  # [d, 2*F]: gate, up
     w_down: jax.Array | QuantizedWeight  # [F, d]
+    b_qkv: jax.Array | None = None  # [N*D + 2*H*D]: q, k, v biases, as w_qkv's columns
+    q_norm: jax.Array | None = None  # [D], every query head's
+    k_norm: jax.Array | None = None  # [D], every key head's
 
     @classmethod
     def from_projections(
-        cls, *, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down
-    ) -> LayerWeights:
-        """From the separate matrices (wq [d, N*D], wk / wv [d, H*D], w_gate / w_up [d, F])."""
+        cls, *, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, bq=None, bk=None,
+        bv=None, q_norm=None, k_norm=None,
+    ) -> LayerWeights:  # fmt: skip
+        """From the separate matrices (wq [d, N*D], wk / wv [d, H*D], w_gate / w_up [d, F]),
+        biases (bq [N*D], bk / bv [H*D]: all three or none) and q/k norms ([D], both or none)."""
         for (a, x), (b, y) in ((("wk", wk), ("wv", wv)), (("w_gate", w_gate), ("w_up", w_up))):
             if x.shape != y.shape:
                 raise ValueError(f"{a} {x.shape} and {b} {y.shape} must have the same shape")
@@ -70,6 +77,11 @@ class LayerWeights:
                 f"wq {wq.shape}, wk {wk.shape} and w_gate {w_gate.shape} must have the same "
                 "input width"
             )
+        biases = [bq, bk, bv]
+        if any(b is None for b in biases) != all(b is None for b in biases):
+            raise ValueError("bq, bk and bv come together (all three or none)")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together (both or none)")
         return cls(
             attn_norm=attn_norm,
             w_qkv=concat_columns([wq, wk, wv]),
@@ -77,6 +89,9 @@ class LayerWeights:
             mlp_norm=mlp_norm,
             w_gate_up=concat_columns([w_gate, w_up]),
             w_down=w_down,
+            b_qkv=None if bq is None else jnp.concatenate(biases),
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
 
     @property
@@ -136,7 +151,7 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
     """Random weights (scaled normal; norms near 1) for tests and benchmarks of the shapes."""
     c = config
     d, F = c.hidden_size, c.intermediate_size
-    keys = iter(jax.random.split(key, 3 + 9 * c.num_layers))
+    keys = iter(jax.random.split(key, 3 + 12 * c.num_layers))
 
     def dense(shape, fan_in):
         return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
@@ -144,8 +159,21 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
     def norm(shape):
         return (1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
+    qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+
+    def extras():
+        out = {}
+        if c.qkv_bias:
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            b = 0.5 * jax.random.normal(next(keys), (qkv_width,), jnp.float32)
+            out |= dict(bq=b[:q], bk=b[q : q + kv], bv=b[q + kv :])
+        if c.qk_norm:
+            out |= dict(q_norm=norm((c.head_dim,)), k_norm=norm((c.head_dim,)))
+        return {k: v.astype(dtype) for k, v in out.items()}
+
     layers = tuple(
         LayerWeights.from_projections(
+            **extras(),
             attn_norm=norm((d,)),
             wq=dense((d, c.num_heads * c.head_dim), d),
             wk=dense((d, c.num_kv_heads * c.head_dim), d),
@@ -178,9 +206,16 @@ def validate_params(params: LlamaParams) -> None:
         w_gate_up=(d, 2 * F),
         w_down=(F, d),
     )
+    if c.qkv_bias:
+        layer["b_qkv"] = (qd + 2 * kvd,)
+    if c.qk_norm:
+        layer |= dict(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     expected = {"embed": (params.embed, (V, d)), "final_norm": (params.final_norm, (d,))}
     for i, lw in enumerate(params.layers):
         expected |= {f"layers[{i}].{n}": (getattr(lw, n), shape) for n, shape in layer.items()}
+        for n, switch in (("b_qkv", "qkv_bias"), ("q_norm", "qk_norm"), ("k_norm", "qk_norm")):
+            if n not in layer and getattr(lw, n) is not None:
+                raise ValueError(f"layers[{i}].{n} is set, but the config's {switch} is False")
     if not c.tie_embeddings:
         expected["lm_head"] = (params.lm_head, (d, V))
     for name, (w, shape) in expected.items():
@@ -212,8 +247,23 @@ def _qkv(lw: LayerWeights, x: jax.Array, positions: jax.Array, c: LlamaConfig):
     and v in one fusion; rotating q and k apart took a GPU decode step three (docs/history.md E1).
     """
     n, h = c.num_heads, c.num_kv_heads
-    qkv = _dense(x, lw.w_qkv).reshape(*x.shape[:-1], n + 2 * h, c.head_dim)
-    cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)  # [..., D/2]
+    qkv = _dense(x, lw.w_qkv)  # [..., (N + 2H) D]
+    if c.qkv_bias:
+        qkv = qkv + lw.b_qkv.astype(qkv.dtype)
+    qkv = qkv.reshape(*x.shape[:-1], n + 2 * h, c.head_dim)
+    if c.qk_norm:  # q and k heads over D, each with its norm's weight; v heads as they are
+        weight = jnp.concatenate(
+            [
+                jnp.broadcast_to(lw.q_norm, (n, c.head_dim)),
+                jnp.broadcast_to(lw.k_norm, (h, c.head_dim)),
+                jnp.ones((h, c.head_dim), lw.q_norm.dtype),
+            ]
+        )  # [N + 2H, D]
+        normed = jnp.arange(n + 2 * h)[:, None] < n + h
+        qkv = jnp.where(normed, rms_norm(qkv, weight, c.rms_eps), qkv)
+    cos, sin = rope_angles(  # [..., D/2]
+        positions, c.head_dim, c.rope_theta, c.rope_factors, c.rope_scale
+    )
     rotated = (jnp.arange(n + 2 * h) < n + h)[:, None]  # [N + 2H, 1]: the q and k heads
     cos = jnp.where(rotated, cos[..., None, :], 1.0)  # [..., N + 2H, D/2]
     sin = jnp.where(rotated, sin[..., None, :], 0.0)
@@ -272,6 +322,7 @@ def _prompt_block(lw, h, lengths, c: LlamaConfig, attention=None):
             k,
             v,
             is_causal=True,
+            local_window_size=None if c.sliding_window is None else (c.sliding_window - 1, 0),
             key_value_seq_lengths=lengths,
             scale=1.0 / math.sqrt(c.head_dim),
             implementation=_prompt_attention_impl(q.dtype),
@@ -339,6 +390,11 @@ def _prompt_pass(params, tokens, lengths, attention, collect: bool):
     """Every block over the prompt: (h [B, S, d], per layer (q, k, v) if collect)."""
     c = params.config
     B, S = tokens.shape
+    if attention is not None and c.sliding_window is not None:
+        raise NotImplementedError(
+            f"a replaced prompt attention does not apply the model's sliding window "
+            f"({c.sliding_window} tokens)"
+        )
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     h, qkv = _embed(params, tokens), []
     for lw in params.layers:
@@ -532,7 +588,7 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
         cache = cache_append(cache, k, v, active=active, q=q)
-        attn = decode_attention(q, cache)  # [B, N, D], includes this token
+        attn = decode_attention(q, cache, window=c.sliding_window)  # [B, N, D], with this token
         h = h + _sum_shards(_dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo), c)
         h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
         updated.append(cache)
@@ -578,7 +634,9 @@ def prefill_chunk(
     B, C = tokens.shape
     P = scratch[0][0].shape[1]
     positions = jnp.broadcast_to(offset + jnp.arange(C, dtype=jnp.int32), (B, C))
-    mask = (jnp.arange(P)[None, :] <= positions[0][:, None])[None, None]  # [1, 1, C, P]
+    behind = positions[0][:, None] - jnp.arange(P)[None, :]  # [C, P]: query minus key position
+    seen = behind >= 0 if c.sliding_window is None else (behind >= 0) & (behind < c.sliding_window)
+    mask = seen[None, None]  # [1, 1, C, P]
     h, out, kept = _embed(params, tokens), [], []
     for lw, cache, (sk, sv) in zip(params.layers, caches, scratch, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)

@@ -3,7 +3,8 @@ process of its own with XLA_FLAGS=--xla_force_host_platform_device_count=4, so t
 of the suite keeps its one device: the pairwise cases there, the full product with -m slow.
 
 Meshes: (model=4) with 8 query / 4 KV heads, (data=2, model=2) and (model=2) with 4 query / 2
-KV heads, and (model=4) with 2 KV heads (each replicated over 2 devices).
+KV heads, and (model=4) with 2 KV heads (each replicated over 2 devices); the last two with
+Qwen's switches (q/k/v biases, split as w_qkv's columns; q/k norms, replicated).
 """
 
 import dataclasses
@@ -39,8 +40,8 @@ KVS = ("full", "kivi2", "kivi4", "kivi2-mix")
 MESHES = {  # name: (axis sizes, model heads)
     "model4": ({"model": 4}, dict(num_heads=8, num_kv_heads=4)),
     "data2_model2": ({"data": 2, "model": 2}, {}),
-    "model2": ({"model": 2}, {}),
-    "model4_kv_replicated": ({"model": 4}, {}),
+    "model2": ({"model": 2}, dict(qkv_bias=True)),
+    "model4_kv_replicated": ({"model": 4}, dict(qkv_bias=True, qk_norm=True)),
 }
 # In CI each cache kind and each mesh once, through generate or (kivi2 on data=2, model=2) a
 # TokenStream, whose compiled decode step's collectives are checked; every pair under -m slow.

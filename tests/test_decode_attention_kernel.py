@@ -277,6 +277,11 @@ _CPU_CASES = [
     (4, 4, 128, 2, jnp.float16, SC),
     (4, 2, 64, 3, jnp.bfloat16, VC),
     (2, 4, 128, 2, jnp.float16, {}),
+    # n_rep 5-7 (Qwen2.5's 5 and 7 query heads per KV head, Qwen3's 6 at 0.6B): the
+    # tensor-core kernels' 8 head slots part used, and the CUDA-core ones
+    (2, 2, 64, 5, jnp.bfloat16, {}),
+    (4, 4, 64, 6, jnp.float16, CC),
+    (2, 4, 64, 7, jnp.bfloat16, SC),
 ]
 
 
@@ -583,12 +588,12 @@ def test_unsupported_configs_are_named():
     assert "group_size=8" in supported_config_reason(**{**ok, "group_size": 8})
 
 
-_GPU_GRID = [  # the CUDA-core kernels at n_rep 1, 3, 4, 8; the tensor-core ones (GQA) too
+_GPU_GRID = [  # the CUDA-core kernels at n_rep 1, 3-8; the tensor-core ones (GQA) too
     (bits, D, n_rep, dtype, name)
     for name, reps in (
-        ("cuda_cores", [1, 3, 4, 8]),
-        ("tensor_scores", [2, 3, 4, 8]),
-        ("tensor_both", [2, 3, 4, 8]),
+        ("cuda_cores", [1, 3, 4, 5, 6, 7, 8]),
+        ("tensor_scores", [2, 3, 4, 5, 6, 7, 8]),
+        ("tensor_both", [2, 3, 4, 5, 6, 7, 8]),
     )
     for bits, D, n_rep, dtype in itertools.product(
         [(2, 2), (4, 4), (2, 4), (4, 2)], [64, 128], reps, [jnp.bfloat16, jnp.float16]

@@ -35,6 +35,17 @@ def test_gguf_round_trip_undoes_the_qk_permutation(tmp_path, tied):
     assert_same_logits(model.params, params)
 
 
+@pytest.mark.parametrize("name", ["blk.0.attn_output.bias", "blk.1.attn_q.bias"])
+def test_gguf_tensor_the_loader_does_not_read_is_an_error(tmp_path, name):
+    """A tensor left unread would give wrong logits without a word (as llama.cpp's rope_freqs
+    tensor, Llama 3.1's RoPE scaling, did before it was read)."""
+    params = tiny_params()
+    path = str(tmp_path / "extra.gguf")
+    write_gguf(path, params, extra={name: np.ones(params.config.hidden_size, np.float32)})
+    with pytest.raises(ModelLoadError, match=f"does not implement.*{name}"):
+        kivi_jax.load_model(path)
+
+
 def test_gguf_quantized_tensors_are_dequantized(tmp_path):
     params = tiny_params()
     path = str(tmp_path / "q8.gguf")
@@ -90,10 +101,14 @@ def test_hf_directory_loads_to_the_same_logits(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
-        (dict(model_type="mistral", sliding_window=64), "sliding-window"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope type 'llama3'"),
+        (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt2"), "unsupported model_type"),
         (dict(attention_bias=True), "biases"),
+        (dict(model_type="gemma2"), "Gemma models"),
+        (dict(model_type="mixtral"), "mixture-of-experts"),
+        (dict(num_local_experts=8), r"config fields \['num_local_experts'\] are not"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     ],
 )
 def test_hf_directory_refuses_unimplemented_features(tmp_path, overrides, message):

@@ -126,8 +126,11 @@ def _hf_weights(params: LlamaParams) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: str, params: LlamaParams, *, arch: str = "llama", quant=None) -> None:
-    """Writes params in llama.cpp's GGUF layout (Q/K rows permuted); `quant` quantizes matrices."""
+def write_gguf(
+    path: str, params: LlamaParams, *, arch: str = "llama", quant=None, extra=None
+) -> None:
+    """Writes params in llama.cpp's GGUF layout (Q/K rows permuted); `quant` quantizes matrices;
+    `extra` ({name: float32 array}) adds tensors."""
     import gguf
 
     c = params.config
@@ -185,6 +188,8 @@ def write_gguf(path: str, params: LlamaParams, *, arch: str = "llama", quant=Non
             elif g_name == "attn_k":
                 x = llama_cpp_permute(x, c.num_kv_heads)
             add(f"blk.{i}.{g_name}.weight", x)
+    for name, x in (extra or {}).items():
+        add(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -224,6 +229,11 @@ def write_hf_dir(directory: str, params: LlamaParams, **config_overrides) -> Non
         {k: np.ascontiguousarray(v) for k, v in weights.items()},
         os.path.join(directory, "model.safetensors"),
     )
+    write_tokenizer_files(directory)
+
+
+def write_tokenizer_files(directory: str) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) of the tiny vocabulary."""
     hf_tokenizer().save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(
@@ -234,3 +244,96 @@ def write_hf_dir(directory: str, params: LlamaParams, **config_overrides) -> Non
             },
             f,
         )
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs tensor for llama3 scaling: per frequency 1 (short
+    wavelengths), `factor` (long ones) or 1 / the blend between them."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < old / high:
+            out.append(1.0)
+        elif wavelength > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def gguf_from_hf_dir(path: str, directory: str, arch: str) -> None:
+    """A Hugging Face directory saved by transformers (config.json in transformers 5's
+    spelling, model.safetensors) written as llama.cpp's converter writes architecture `arch`:
+    "llama" permutes the Q/K rows and stores llama3 scaling as a rope_freqs tensor; "qwen2" and
+    "qwen3" keep the rows (NEOX RoPE), qwen2 adds attn_{q,k,v}.bias, qwen3 attn_{q,k}_norm."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    hf = load_file(os.path.join(directory, "model.safetensors"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim") is not None:  # the converter writes it where the config has one
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    tok = gguf_tokenizer_fields()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tok["tokens"])
+    w.add_token_merges(tok["merges"])
+    w.add_token_types(tok["types"])
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, head_dim))
+    add = lambda name, x: w.add_tensor(name, np.ascontiguousarray(x, np.float32))
+    add("token_embd.weight", hf["model.embed_tokens.weight"])
+    add("output_norm.weight", hf["model.norm.weight"])
+    if "lm_head.weight" in hf:
+        add("output.weight", hf["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, g_name in names.items():
+            x = hf.get(f"model.layers.{i}.{hf_name}")
+            if x is None:
+                continue
+            if arch == "llama" and g_name.startswith(("attn_q.", "attn_k.")):
+                x = llama_cpp_permute(x, heads if g_name.startswith("attn_q.") else kv_heads)
+            add(f"blk.{i}.{g_name}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -6,7 +6,7 @@
   a file starting with b"GGUF"        llama.cpp GGUF (quantized tensors dequantized at load, or
                                       kept as stored with weights="gguf")
   a directory with kivi_model.json    a model written by `save_model` (orbax checkpoint)
-  a directory with config.json        Hugging Face Llama/Mistral/SmolLM
+  a directory with config.json        Hugging Face Llama 3.x/Qwen2.5/Qwen3/Mistral/SmolLM
                                       (config.json, *.safetensors, tokenizer.json)
 """
 

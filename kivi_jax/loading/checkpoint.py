@@ -67,7 +67,11 @@ def _to_tree(params: LlamaParams) -> dict:
         "embed": params.embed,
         "final_norm": params.final_norm,
         "layers": [
-            {f.name: _entry(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)}
+            {
+                f.name: _entry(getattr(lw, f.name))
+                for f in dataclasses.fields(LayerWeights)
+                if getattr(lw, f.name) is not None  # a bias or q/k norm the model has not
+            }
             for lw in params.layers
         ],
     }
@@ -136,7 +140,9 @@ def restore_model(directory: str, *, dtype=None, mesh=None):
             f"{_FORMAT!r} (save the model again with this version's save_model)"
         )
     try:
-        config = LlamaConfig(**meta["config"])
+        # JSON gives lists where the config holds tuples (rope_factors)
+        as_tuple = lambda v: tuple(v) if isinstance(v, list) else v
+        config = LlamaConfig(**{k: as_tuple(v) for k, v in meta["config"].items()})
         saved_dtype = jnp.dtype(meta["dtype"])
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(

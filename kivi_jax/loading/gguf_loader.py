@@ -13,6 +13,7 @@ gate/up) whose parts are not all of one kept type; embeddings and norms always a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -25,7 +26,9 @@ from kivi_jax.models.llama import LayerWeights, LlamaParams, validate_params
 from kivi_jax.weights import QuantizedWeight
 
 _MAGIC = b"GGUF"
-_SUPPORTED_ARCHS = ("llama",)  # SmolLM and Mistral GGUFs are written as "llama"
+# SmolLM, Llama 3.x and Mistral GGUFs are written as "llama" (Q/K rows permuted); "qwen2" (q/k/v
+# biases) and "qwen3" (q/k norms) keep the checkpoint's rows (NEOX-style RoPE: rotate-half).
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def is_gguf(path: str) -> bool:
@@ -107,6 +110,8 @@ def _config(fields: dict, path: str) -> LlamaConfig:
         head_dim=head_dim,
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         tie_embeddings=False,  # decided below from the tensors present
         max_context=int(get("context_length")),
     )
@@ -154,7 +159,7 @@ _KEPT = ("Q8_0", "Q4_0", "Q4_1")
 
 
 def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: bool = False):
-    """Loads a Llama-architecture GGUF file. Returns (LlamaParams, Tokenizer).
+    """Loads a GGUF file of architecture llama, qwen2 or qwen3. Returns (LlamaParams, Tokenizer).
 
     keep_quantized: keep Q8_0 / Q4_0 / Q4_1 linear layers as QuantizedWeights (module docstring).
     """
@@ -164,10 +169,19 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
     config = _config(fields, path)
     tied = "output.weight" not in tensors
     config = LlamaConfig(**{**config.__dict__, "tie_embeddings": tied})
+    read = set()  # every tensor the model takes; any other is an error (see the end)
+    if "rope_freqs.weight" in tensors:  # llama3 scaling as llama.cpp stores it: the factors
+        read.add("rope_freqs.weight")
+        factors = tuple(float(f) for f in _dequantize(tensors["rope_freqs.weight"]))
+        try:
+            config = dataclasses.replace(config, rope_factors=factors)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: rope_freqs.weight: {e}") from None
 
     def tensor(name) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: missing tensor {name}")
+        read.add(name)
         return _dequantize(tensors[name])
 
     names = {
@@ -181,7 +195,13 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         "w_up": "ffn_up.weight",
         "w_down": "ffn_down.weight",
     }
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}  # rows permuted by llama.cpp
+    if config.qkv_bias:
+        names |= {f"b{p}": f"attn_{p}.bias" for p in "qkv"}
+    if config.qk_norm:
+        names |= {f"{p}_norm": f"attn_{p}_norm.weight" for p in "qk"}
+    # rows permuted by llama.cpp for "llama" only
+    arch = fields["general.architecture"]
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if arch == "llama" else {}
     fused = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
     def kept(name) -> bool:
@@ -190,6 +210,7 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         return keep_quantized and tensors[name].tensor_type.name in _KEPT
 
     def stored(name, field) -> QuantizedWeight:
+        read.add(name)
         q, d, zero = _blocks(tensors[name])  # [out, in], [out, in / 32]
         if field in heads:
             q, d = _unpermute(q, heads[field]), _unpermute(d, heads[field])
@@ -204,7 +225,8 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
     layers = []
     for i in range(config.num_layers):
         weights = {}
-        for group in [("attn_norm",), ("mlp_norm",), *fused]:
+        vectors = [(f,) for f in names if f in ("bq", "bk", "bv", "q_norm", "k_norm")]
+        for group in [("attn_norm",), ("mlp_norm",), *vectors, *fused]:
             gnames = [f"blk.{i}.{names[f]}" for f in group]
             if group in fused and all(kept(n) for n in gnames):
                 if len({tensors[n].tensor_type for n in gnames}) == 1:
@@ -221,8 +243,6 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
             raise ModelLoadError(f"{path}: layer {i}: {e}") from e
         if progress:
             progress(f"{i + 1}/{config.num_layers} layers")
-    if any(f"blk.0.{s}" in tensors for s in ("attn_q.bias", "attn_k.bias")):
-        raise ModelLoadError(f"{path}: attention biases are not implemented")
     params = LlamaParams(
         embed=jnp.asarray(tensor("token_embd.weight"), dtype),
         layers=tuple(layers),
@@ -234,6 +254,12 @@ def load_gguf(path: str, *, dtype=jnp.bfloat16, progress=None, keep_quantized: b
         else jnp.asarray(tensor("output.weight").T, dtype),
         config=config,
     )
+    unread = sorted(set(tensors) - read)
+    if unread:  # e.g. rope_freqs.weight (Llama 3.1's RoPE scaling) or attention biases
+        raise ModelLoadError(
+            f"{path}: {len(unread)} tensors that kivi-jax does not implement and would change "
+            f"the numbers: {', '.join(unread[:8])}{' ...' if len(unread) > 8 else ''}"
+        )
     try:
         validate_params(params)
     except ValueError as e:
