@@ -261,9 +261,10 @@ def _row(args, mode: str, rate: float, m: dict, fit: dict, rates: dict) -> dict:
     return row
 
 
-def measure_kv(args) -> dict:
+def measure_kv(args, save=None) -> dict:
     """Every measure of one cache (in this process). The engine runs without an EOS, so every
-    request produces its drawn number of tokens."""
+    request produces its drawn number of tokens. `save(result)`, if given, is called with the
+    result so far after each rate (a run cut short keeps the rows it measured)."""
     import jax
 
     from kivi_jax.serving import Engine
@@ -280,6 +281,13 @@ def measure_kv(args) -> dict:
             max_queue=1 << 20, memory_budget=budget,
         )  # fmt: skip
 
+    mean_p = sum(args.prompt_range) / 2
+    mean_o = sum(args.output_range) / 2
+    if args.overhead_batch:  # first: its programs compile and run while the device is free
+        b, length, new = args.overhead_batch, int(mean_p), int(mean_o)
+        gen = generate_decode_rate(
+            params, vocab, args.kv, batch=b, length=length, new=new, seed=args.seed
+        )
     t0 = time.perf_counter()
     engine = new_engine(args.slots)  # None: as many slots as fit the budget and the device
     engine.warmup()
@@ -292,8 +300,6 @@ def measure_kv(args) -> dict:
     for cost in engine.programs:
         print(f"  {cost.name}: {cost.compile_s:.1f} s, temporaries {cost.temp_bytes / 1e6:.0f} MB",
               file=sys.stderr, flush=True)  # fmt: skip
-    mean_p = sum(args.prompt_range) / 2
-    mean_o = sum(args.output_range) / 2
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
     decode = decode_rate(
         engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed
@@ -308,11 +314,7 @@ def measure_kv(args) -> dict:
           flush=True)  # fmt: skip
     overhead = None
     if args.overhead_batch:
-        b, length, new = args.overhead_batch, int(mean_p), int(mean_o)
         eng = decode_rate(engine, vocab, batch=b, length=length, new=new, seed=args.seed)
-        gen = generate_decode_rate(
-            params, vocab, args.kv, batch=b, length=length, new=new, seed=args.seed
-        )
         overhead = dict(batch=b, prompt=length, new_tokens=new, engine_decode_tok_per_s=eng,
                         generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen)  # fmt: skip
         print(f"  overhead at batch {b}: engine {eng:.0f}, generate {gen:.0f} tok/s",
@@ -329,12 +331,16 @@ def measure_kv(args) -> dict:
         )
         for rate in args.rates
     }
+    programs = [dataclasses.asdict(cost) for cost in engine.programs]
+    result = dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind,
+                  programs=programs, warmup_s=warmup_s)  # fmt: skip
     with engine:
         for rate, reqs in workloads.items():
             m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s,
                          sequential=rate == 0)  # fmt: skip
             rows.append(_row(args, "engine", rate, m, fit, rates))
-    programs = [dataclasses.asdict(cost) for cost in engine.programs]
+            if save is not None:
+                save(result)
     if args.http:  # the same loads through kivi-serve's app (a new engine: programs cached)
         del engine
         with HttpServer(new_engine(slots), tokenizer, max_len) as server:
@@ -342,8 +348,9 @@ def measure_kv(args) -> dict:
                 m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s,
                                   sequential=rate == 0)  # fmt: skip
                 rows.append(_row(args, "http", rate, m, fit, rates))
-    return dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind,
-                programs=programs, warmup_s=warmup_s)  # fmt: skip
+                if save is not None:
+                    save(result)
+    return result
 
 
 class HttpServer:
@@ -446,9 +453,8 @@ def versions() -> dict:
 def _one(args, kv: str, path: Path) -> None:
     """measure_kv in a process of its own (spawned: its device memory is its own)."""
     args.kv = kv
-    result = measure_kv(args)
-    result["versions"] = versions()
-    path.write_text(json.dumps(result, indent=1))
+    save = lambda result: path.write_text(json.dumps(dict(result, versions=versions()), indent=1))
+    save(measure_kv(args, save))
 
 
 def run(args) -> None:
@@ -528,7 +534,8 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             "The engine's own overhead: decode tokens/s at a fixed batch, no arrivals mid-run "
-            "(wall-clock of the decode phase, same process).",
+            "(wall-clock of the decode phase, same process; the engine at its full slot count, "
+            "`batch` of them live; generate measured first, before the engine allocates).",
             "",
             "| device | model | kv | batch | prompt + new | engine tok/s | generate tok/s "
             "| engine / generate | call |",
