@@ -209,9 +209,33 @@ def prefill_rate(engine, vocab: int, length: int, n: int, seed: int) -> float:
     return n * length / (time.perf_counter() - t0)
 
 
-def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: int) -> float:
+def traced_step(engine) -> dict:
+    """Two scheduler steps under a GPU trace: {kernel: [launches, ms]} summed by name (the
+    largest 20), with "span_ms" the first kernel's start to the last kernel's end."""
+    import tempfile
+
+    import jax
+    from timing import gpu_kernels, kernel_totals, span_seconds
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            engine.step()
+            engine.step()  # the call read back: the first step's decode call has finished
+        events = gpu_kernels(d)
+    if not events:
+        return {}
+    totals = list(kernel_totals(events).items())[:20]
+    return dict(span_ms=span_seconds(events) * 1e3,
+                kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+
+
+def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: int,
+                trace: dict | None = None) -> float:  # fmt: skip
     """Decode tokens/s of `batch` requests of `length` prompt tokens, timed from the step at
-    which all of them hold their first token to the end (the wall-clock of the decode phase)."""
+    which all of them hold their first token to the end (the wall-clock of the decode phase).
+    `trace` (a dict), on a GPU, gets traced_step's kernels of two steps taken first."""
+    import jax
+
     from kivi_jax.generate import Sampling
 
     rng = np.random.default_rng(seed + 3)
@@ -220,6 +244,8 @@ def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: 
         for _ in range(batch)
     ]
     step_until(engine, lambda: all(h.first_token_time is not None for h in hs))
+    if trace is not None and jax.default_backend() == "gpu":
+        trace.update(traced_step(engine))
     before = engine.stats().generated_tokens
     t0 = time.perf_counter()
     step_until(engine, lambda: all(h.done for h in hs))
@@ -301,9 +327,13 @@ def measure_kv(args, save=None) -> dict:
         print(f"  {cost.name}: {cost.compile_s:.1f} s, temporaries {cost.temp_bytes / 1e6:.0f} MB",
               file=sys.stderr, flush=True)  # fmt: skip
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
+    trace: dict = {}
     decode = decode_rate(
-        engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed
-    )
+        engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed,
+        trace=trace,
+    )  # fmt: skip
+    for name, (n, ms) in list(trace.get("kernels", {}).items())[:8]:
+        print(f"  decode step kernels: {name[:60]} x{n} {ms:.2f} ms", file=sys.stderr, flush=True)
     rates = dict(
         predicted_out_tok_per_s=mean_o / (mean_p / prefill + mean_o / decode),
         prefill_tok_per_s=prefill,
@@ -333,7 +363,7 @@ def measure_kv(args, save=None) -> dict:
     }
     programs = [dataclasses.asdict(cost) for cost in engine.programs]
     result = dict(rows=rows, overhead=overhead, device=jax.devices()[0].device_kind,
-                  programs=programs, warmup_s=warmup_s)  # fmt: skip
+                  programs=programs, warmup_s=warmup_s, decode_trace=trace)  # fmt: skip
     with engine:
         for rate, reqs in workloads.items():
             m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s,
