@@ -390,10 +390,10 @@ def _prompt_pass(params, tokens, lengths, attention, collect: bool):
     """Every block over the prompt: (h [B, S, d], per layer (q, k, v) if collect)."""
     c = params.config
     B, S = tokens.shape
-    if attention is not None and c.sliding_window is not None:
+    if attention is not None and c.sliding_window is not None and S > c.sliding_window:
         raise NotImplementedError(
             f"a replaced prompt attention does not apply the model's sliding window "
-            f"({c.sliding_window} tokens)"
+            f"({c.sliding_window} tokens), which a prompt of {S} tokens reaches past"
         )
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     h, qkv = _embed(params, tokens), []

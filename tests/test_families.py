@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -220,7 +221,7 @@ def test_gguf_gives_the_safetensors_logits(family):
 
 def test_sliding_window_reaches_the_reference_only(rng):
     """The fused kernels do not apply a window: impl="pallas" says so, "auto" takes the
-    reference, which reads only the last W tokens."""
+    reference, which reads only the last W tokens (checked by hand, to bf16 output rounding)."""
     cache = kivi_jax.init_cache(
         kivi_jax.KIVI2, batch=2, max_len=256, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16
     )
@@ -229,6 +230,39 @@ def test_sliding_window_reaches_the_reference_only(rng):
     q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="sliding window"):
         kivi_jax.decode_attention(q, cache, impl="pallas", interpret=True, window=64)
-    out = kivi_jax.decode_attention(q, cache, window=64)
-    np.testing.assert_array_equal(out, kivi_jax.decode_attention_reference(q, cache, 64))
+    out = np.asarray(kivi_jax.decode_attention(q, cache, window=64), np.float32)
+    # By hand: each row's query heads over its last 64 held tokens only (HF Mistral's window:
+    # the token itself and the 63 before it), in float64 over the dequantized state.
+    k, v = (np.asarray(x, np.float64) for x in kivi_jax.dequantize(cache, jnp.float32))
+    qf = np.asarray(q, np.float64)
+    for b, n in enumerate([200, 90]):
+        for head in range(8):
+            keys, vals = k[b, n - 64 : n, head // 4], v[b, n - 64 : n, head // 4]
+            s = keys @ qf[b, head] / 8.0
+            p = np.exp(s - s.max())
+            want = p @ vals / p.sum()
+            np.testing.assert_allclose(out[b, head], want, atol=2e-2, rtol=2e-2)
     assert not np.allclose(out, kivi_jax.decode_attention(q, cache), atol=1e-2)
+
+
+def test_a_replaced_prompt_attention_runs_where_the_window_cannot_matter():
+    """kivi-eval's views replace the prompt attention, which applies no window: a prompt no
+    longer than the window runs (its logits the model's own), a longer one is refused."""
+    from kivi_jax.models.llama import LlamaConfig, init_params
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, max_context=128, sliding_window=16,
+    )  # fmt: skip
+    params = init_params(config, jax.random.key(0), jnp.float32)
+
+    def causal(q, k, v, lengths):  # [B, S, N, D] full-precision causal attention
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    ids = jnp.asarray(prompt_ids(16, seed=2) % 64)
+    np.testing.assert_allclose(
+        kivi_jax.forward(params, ids, attention=causal), kivi_jax.forward(params, ids),
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="a prompt of 17 tokens reaches past"):
+        kivi_jax.forward(params, jnp.asarray(prompt_ids(17, seed=2) % 64), attention=causal)

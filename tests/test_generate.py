@@ -241,7 +241,7 @@ def test_a_decode_step_runs_four_matmuls_per_layer(monkeypatch):
     # output head. The attention is left out (the CPU's reference attention has einsums).
     from kivi_jax.models import llama
 
-    monkeypatch.setattr(llama, "decode_attention", lambda q, cache: q)
+    monkeypatch.setattr(llama, "decode_attention", lambda q, cache, window=None: q)
     config = tiny_config(num_layers=3)
     params = kivi_jax.init_params(config, jax.random.key(0))
     hlo = _decode_program(params, "kivi2").as_text()
@@ -255,7 +255,7 @@ def test_a_decode_step_rotates_q_and_k_in_one_operation_per_layer(monkeypatch):
     # the rotation's two halves per layer, over all N + 2H heads.
     from kivi_jax.models import llama
 
-    monkeypatch.setattr(llama, "decode_attention", lambda q, cache: q)
+    monkeypatch.setattr(llama, "decode_attention", lambda q, cache, window=None: q)
     config = tiny_config(num_layers=3)
     params = kivi_jax.init_params(config, jax.random.key(0))
     heads, half = config.num_heads + 2 * config.num_kv_heads, config.head_dim // 2
@@ -278,7 +278,7 @@ def test_a_decode_step_copies_neither_weights_nor_cache(monkeypatch, kv):
     # the kernels and cuDNN read the buffers as they are).
     from kivi_jax.models import llama
 
-    monkeypatch.setattr(llama, "decode_attention", lambda q, cache: q)
+    monkeypatch.setattr(llama, "decode_attention", lambda q, cache, window=None: q)
     config = tiny_config(hidden_size=512, intermediate_size=1024, num_layers=3, max_context=4096)
     params = kivi_jax.init_params(config, jax.random.key(0))
     lw = params.layers[0]

@@ -98,6 +98,14 @@ def test_hf_directory_loads_to_the_same_logits(tmp_path):
     assert model.tokenizer.decode(model.tokenizer.encode("the tent")) == "the tent"
 
 
+def test_hf_directory_with_smollm2s_nanotron_fields_loads(tmp_path):
+    """SmolLM2's published config.json carries nanotron's is_llama_config and
+    rope_interleaved false: a Llama like any other."""
+    params = tiny_params(tie_embeddings=False)
+    write_hf_dir(str(tmp_path), params, is_llama_config=True, rope_interleaved=False)
+    assert_same_logits(kivi_jax.load_model(tmp_path, dtype=jnp.float32).params, params)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -109,6 +117,7 @@ def test_hf_directory_loads_to_the_same_logits(tmp_path):
         (dict(model_type="mixtral"), "mixture-of-experts"),
         (dict(num_local_experts=8), r"config fields \['num_local_experts'\] are not"),
         (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+        (dict(rope_interleaved=True), "rope_interleaved"),
     ],
 )
 def test_hf_directory_refuses_unimplemented_features(tmp_path, overrides, message):
@@ -244,3 +253,27 @@ def test_a_damaged_saved_model_is_a_one_line_error(tmp_path, capfd):
         kivi_jax.load_model(saved)
     assert "\n" not in str(e.value) and "TensorStore" not in str(e.value)
     assert "Traceback" not in capfd.readouterr().err  # orbax's threads closed with it
+
+
+@pytest.mark.parametrize(
+    "pre, words",
+    [
+        ("llama-bpe", ["I", "'m", " ", "123", "45", " ok", "!\n\n", "yes"]),  # digits by 3
+        ("qwen2", ["I", "'m", " ", "1", "2", "3", "4", "5", " ok", "!\n\n", "yes"]),  # alone
+    ],
+)
+def test_gguf_pre_tokenizers_of_llama3_and_qwen_split_as_their_regexes(pre, words):
+    """llama.cpp writes tokenizer.ggml.pre 'llama-bpe' for Llama 3.x and 'qwen2' for Qwen2.5 /
+    Qwen3: their words (before byte-level BPE) are those of the models' split regexes."""
+    from kivi_jax.loading.tokenizer import _PRE_TOKENIZERS
+
+    bytes_to_text = {c: b for b, c in enumerate(_byte_symbols())}
+    got = _PRE_TOKENIZERS[pre]().pre_tokenize_str("I'm 12345 ok!\n\nyes")
+    assert [bytes(bytes_to_text[c] for c in w).decode() for w, _ in got] == words
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the symbol of byte b at index b."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]

@@ -235,6 +235,53 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
         assert h.result() == alone(params, "full", ids[name], 8), name
 
 
+def test_a_reset_fault_ends_the_states_requests_and_the_engine_serves_on(params, monkeypatch):
+    """Freeing a finished request's slot fails (the donated state is lost): the requests the
+    state held end with the fault, the state is rebuilt, and the next request is served."""
+    real, calls = engine_module._reset, []
+
+    def reset(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("reset fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_reset", reset)
+    e = engine(params, "full")
+    short, long = (
+        e.submit(prompt(9, seed=13), max_new_tokens=2),
+        e.submit(prompt(12, seed=14), max_new_tokens=30),
+    )
+    while e.step():
+        pass
+    assert short.finish_reason == "length" and long.finish_reason == "error"
+    after = e.submit(prompt(9, seed=15), max_new_tokens=6)
+    while e.step():
+        pass
+    assert after.result() == alone(params, "full", prompt(9, seed=15), 6)
+
+
+def test_a_fault_no_handler_places_breaks_the_engine_loudly(params, monkeypatch):
+    """An exception outside every program's own handling (here in the scheduler's read-back
+    bookkeeping) breaks the engine: every request ends with it and the thread stops, rather
+    than leaving requests waiting on a dead thread."""
+    e = engine(params, "full")
+
+    def broken(keep):
+        raise ValueError("bookkeeping fault")
+
+    monkeypatch.setattr(e, "_drain", broken)
+    hs = [e.submit(prompt(9, seed=s), max_new_tokens=5) for s in (16, 17, 18)]
+    e.start()
+    e.wait(timeout=120)
+    assert not e._thread.is_alive() and isinstance(e.failure, ValueError)
+    for h in hs:
+        with pytest.raises(EngineError, match="bookkeeping fault"):
+            h.result(timeout=1)
+    with pytest.raises(RuntimeError, match="stopped after a fault"):
+        e.submit(prompt(9, seed=19), max_new_tokens=5)
+
+
 def test_an_engine_that_cannot_rebuild_its_state_stops(params, monkeypatch):
     """The decode call fails and the new state cannot be allocated: the request of the call
     ends with the fault, the waiting one with the allocation's error, the thread stops, and

@@ -34,7 +34,7 @@ _READ = frozenset(
         "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
         "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
         "rope_parameters", "attention_bias", "mlp_bias", "pretraining_tp", "sliding_window",
-        "use_sliding_window", "layer_types", "bos_token_id", "eos_token_id",
+        "use_sliding_window", "layer_types", "bos_token_id", "eos_token_id", "rope_interleaved",
     }
 )  # fmt: skip
 _HARMLESS = {
@@ -48,6 +48,7 @@ _HARMLESS = {
     "pad_token_id": "the tokenizer's padding, not used",
     "max_window_layers": "Qwen's windowed layers, none with use_sliding_window false",
     "_name_or_path": "where the checkpoint came from",
+    "is_llama_config": "nanotron's marker of a Llama config (SmolLM2's checkpoints)",
 }
 
 
@@ -121,6 +122,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
             f"{where}: attention_bias / mlp_bias (biases on the output projection or the MLP) "
             "are not implemented"
         )
+    if cfg.get("rope_interleaved"):  # nanotron's GPT-J-style pairs (SmolLM2 writes false)
+        raise ModelLoadError(f"{where}: rope_interleaved (GPT-J-style RoPE) is not implemented")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not implemented (only silu)")

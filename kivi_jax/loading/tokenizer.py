@@ -11,9 +11,30 @@ from tokenizers import decoders, models, pre_tokenizers
 # llama.cpp's token types (gguf.TokenType): CONTROL and USER_DEFINED tokens are matched whole.
 _CONTROL, _USER_DEFINED = 3, 4
 
+# The split regexes of Llama 3 ("llama-bpe": digits in runs of up to 3) and Qwen2/Qwen3 ("qwen2":
+# each digit alone), as their tokenizer.json files and llama.cpp's llama-vocab.cpp write them.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_bytes(regex: str):
+    """Split on `regex` (each match its own word), then map bytes to byte-level symbols."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 # GGUF `tokenizer.ggml.pre` values whose pre-tokenization the byte-level BPE below reproduces.
 # smollm: each digit is its own word, then GPT-2's regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM).
 _PRE_TOKENIZERS = {
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_REGEX),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_REGEX),
     "smollm": lambda: pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),

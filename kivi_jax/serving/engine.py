@@ -571,14 +571,20 @@ class Engine:
                 self._allocate_or_break()
             if self.failure is not None:
                 raise EngineError(f"the engine stopped after a fault: {self.failure!r}")
-            self._cancelled()
-            self._admit()
-            dispatched = self._decode_call()
-            self._drain(keep=1 if dispatched else 0)
+            try:
+                self._cancelled()
+                self._admit()
+                dispatched = self._decode_call()
+                self._drain(keep=1 if dispatched else 0)
+            except Exception as e:  # a fault none of the above could place: nothing is trusted
+                self._break(e)
+                raise EngineError(f"the engine stopped after a fault: {e!r}") from e
             return self._busy()
 
     def start(self) -> Engine:
-        """Runs the scheduler in a background daemon thread."""
+        """Runs the scheduler in a background daemon thread (not after stop())."""
+        if not self._accepting:
+            raise RuntimeError("the engine is stopped")
         if self._thread is None:
             self._running = True
             self._thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
@@ -602,8 +608,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        else:
-            while self.failure is None and self.step():
+        else:  # steps until what was in flight is freed (none: no step, so no wait on warmup)
+            while self.failure is None and self._busy() and self.step():
                 pass
 
     def wait(self, timeout: float | None = None) -> None:
@@ -793,7 +799,11 @@ class Engine:
     def _free(self, slot: int) -> None:
         """The slot's row back to empty, then free (the step thread only; the dispatch is
         made without the lock, so that submit() and stats() never wait on the device)."""
-        self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv)
+        try:
+            self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv)
+        except Exception as e:  # the state was donated: it is lost
+            self._state_fault(e)
+            return
         with self._lock:
             self._occupant[slot] = None
 
@@ -823,7 +833,11 @@ class Engine:
                 self._occupant[slot] = h
             n = len(h._prompt)
             if n > self.prefill_chunk:
-                row = self._new_row()
+                try:
+                    row = self._new_row()
+                except Exception as e:
+                    self._request_fault(h, slot, e)
+                    continue
                 self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
                 continue
             width, r = self._bucket(n), _prompt_rows(self.params)
@@ -946,15 +960,20 @@ class Engine:
         try:
             self._allocate()
         except Exception as e:
-            with self._lock:
-                self.failure, self._accepting, self._running = e, False, False
-                for h in [*self._queue, *self._occupant]:
-                    if h is not None and not h.done:
-                        self._end(h, "error", e)
-                self._queue.clear()
-                self._occupant = [None] * self.slots
-                self._work.notify_all()
-            self._long, self._events = None, collections.deque()
+            self._break(e)
+
+    def _break(self, error: BaseException) -> None:
+        """The engine is broken (step's doc): `failure` is set, every request ends with it, the
+        thread stops and submit() refuses."""
+        with self._lock:
+            self.failure, self._accepting, self._running = error, False, False
+            for h in [*self._queue, *self._occupant]:
+                if h is not None and not h.done:
+                    self._end(h, "error", error)
+            self._queue.clear()
+            self._occupant = [None] * self.slots
+            self._work.notify_all()
+        self._long, self._events = None, collections.deque()
 
     def _loop(self) -> None:
         while True:
@@ -965,4 +984,7 @@ class Engine:
                     return
             if self.failure is not None:
                 return
-            self.step()
+            try:
+                self.step()
+            except EngineError:  # the engine broke: failure is set, every request ended
+                return

@@ -137,6 +137,8 @@ class _Server:
         try:
             t0 = time.perf_counter()
             self.engine.warmup()
+            if self.stopping:  # a signal came while it compiled: nothing to start
+                return
             self.engine.start()
             self.ready = True
             log.info("engine compiled and started in %.1f s", time.perf_counter() - t0)
@@ -247,6 +249,11 @@ class _Server:
         )
         if self.stopping:
             raise APIError(503, "the server is stopping", type="server_error", code="shutdown")
+        if self.failure is not None:
+            raise APIError(
+                503, f"the engine failed: {self.failure!r}", type="server_error",
+                code="engine_failed",
+            )  # fmt: skip
         if not self.ready:
             raise APIError(
                 503, "the server is still compiling its programs", type="server_error",
