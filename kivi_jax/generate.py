@@ -88,6 +88,9 @@ class Sampling:
     top_p: float | None = None
     seed: int = 0
     eos_id: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         real = lambda x: (
@@ -104,10 +107,22 @@ class Sampling:
         if self.top_p is not None and (not real(self.top_p) or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         check_seed(self.seed)
+        for name in ("frequency_penalty", "presence_penalty"):
+            x = getattr(self, name)
+            if not real(x) or not math.isfinite(x):
+                raise ValueError(f"{name} must be a finite number, got {x!r}")
+        r = self.repetition_penalty
+        if not real(r) or not 0 < r < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {r!r}")
 
     @property
     def pad_id(self) -> int:
         return 0 if self.eos_id is None else self.eos_id
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty is set (its program counts the tokens: `penalize`)."""
+        return (self.frequency_penalty, self.presence_penalty, self.repetition_penalty) != (0, 0, 1)
 
 
 @flax.struct.dataclass
@@ -118,15 +133,61 @@ class RowSampling:
     top_k: jax.Array  # int32 [B], 0: no top-k
     top_p: jax.Array  # float32 [B], 1: no top-p
     seed: jax.Array  # uint32 [B]
+    frequency_penalty: jax.Array  # float32 [B], 0: none
+    presence_penalty: jax.Array  # float32 [B], 0: none
+    repetition_penalty: jax.Array  # float32 [B], 1: none
 
     @classmethod
     def of(cls, rows: Sequence[Sampling]) -> RowSampling:
+        f32 = lambda name: np.array([getattr(s, name) for s in rows], np.float32)
         return cls(
-            temperature=np.array([s.temperature for s in rows], np.float32),
+            temperature=f32("temperature"),
             top_k=np.array([s.top_k or 0 for s in rows], np.int32),
             top_p=np.array([1.0 if s.top_p is None else s.top_p for s in rows], np.float32),
             seed=np.array([s.seed for s in rows], np.uint32),
+            frequency_penalty=f32("frequency_penalty"),
+            presence_penalty=f32("presence_penalty"),
+            repetition_penalty=f32("repetition_penalty"),
         )
+
+
+@flax.struct.dataclass
+class TokenCounts:
+    """What the penalties read of each row, over the vocabulary (4 + 1 bytes per id a row,
+    whatever the sequence's length)."""
+
+    generated: jax.Array  # int32 [B, V]: times each id has been generated
+    prompted: jax.Array  # bool [B, V]: the id is in the prompt
+
+    @classmethod
+    def of_prompts(cls, tokens: jax.Array, lengths: jax.Array, vocab: int) -> TokenCounts:
+        """tokens int32 [B, S] right-padded to lengths [B]: nothing generated yet."""
+        B, S = tokens.shape
+        ids = jnp.where(jnp.arange(S) < lengths[:, None], tokens, vocab)  # padding: dropped
+        prompted = (
+            jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], ids].set(True, mode="drop")
+        )
+        return cls(generated=jnp.zeros((B, vocab), jnp.int32), prompted=prompted)
+
+    def add(self, tokens: jax.Array, live: jax.Array) -> TokenCounts:
+        """tokens int32 [B] generated where live (bool [B])."""
+        rows = jnp.arange(tokens.shape[0])
+        generated = self.generated.at[rows, tokens].add(live.astype(jnp.int32), mode="drop")
+        return dataclasses.replace(self, generated=generated)
+
+
+def penalize(logits: jax.Array, rows: RowSampling, counts: TokenCounts) -> jax.Array:
+    """logits float32 [B, V] with each row's penalties, in vLLM's order: the repetition
+    penalty (transformers' and vLLM's: a logit of an id in the prompt or generated is divided
+    by it where positive, multiplied where not), then OpenAI's frequency and presence
+    penalties (minus frequency x the times the id was generated, minus presence if it was).
+    Rows without penalties (0, 0, 1) keep their logits exactly."""
+    n = counts.generated
+    r = rows.repetition_penalty[:, None]
+    seen = counts.prompted | (n > 0)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - rows.frequency_penalty[:, None] * n
+    return logits - rows.presence_penalty[:, None] * (n > 0)
 
 
 def sample(logits: jax.Array, rows: RowSampling, index: jax.Array, *, sampled: bool) -> jax.Array:
@@ -175,6 +236,7 @@ class SamplingState:
     done: jax.Array  # bool [B]: the sequence has produced its EOS
     cache: tuple  # the KV state, one cache per layer
     rows: RowSampling  # the sampling values of each row
+    counts: TokenCounts | None  # what the penalties read; None unless penalized
 
 
 def _pad_id(eos_id: int | None) -> int:
@@ -183,29 +245,40 @@ def _pad_id(eos_id: int | None) -> int:
 
 def _start(
     params, tokens, lengths, cache, rows: RowSampling, *, width: int, sampled: bool,
-    eos_id: int | None, prefill_rows: int,
+    penalized: bool, eos_id: int | None, prefill_rows: int,
 ):  # fmt: skip
     """Prefill (`prefill_rows` rows at a time) + the first token: the state before the first
     decode step."""
     logits, cache = llama.prefill(params, tokens, lengths, cache, rows=prefill_rows)
     B = tokens.shape[0]
+    counts = None
+    if penalized:
+        counts = TokenCounts.of_prompts(tokens, lengths, params.config.vocab_size)
+        logits = penalize(logits, rows, counts)
     first = sample(logits, rows, jnp.zeros(B, jnp.int32), sampled=sampled)
+    if penalized:
+        counts = counts.add(first, jnp.ones(B, bool))
     generated = jnp.full((B, width), _pad_id(eos_id), jnp.int32).at[:, 0].set(first)
     done = first == eos_id if eos_id is not None else jnp.zeros(B, bool)
     return SamplingState(
         step=jnp.int32(1), generated=generated, positions=lengths, done=done, cache=cache,
-        rows=rows,
+        rows=rows, counts=counts,
     )  # fmt: skip
 
 
-def _step(params, state: SamplingState, n, *, sampled: bool, eos_id: int | None):
+def _step(params, state: SamplingState, n, *, sampled: bool, penalized: bool, eos_id: int | None):
     """Feeds each live sequence its last token, samples the next; finished rows stay padded.
     A step at or past `n` (int32 []: the tokens wanted) appends nothing and writes nothing."""
     last = jax.lax.dynamic_index_in_dim(state.generated, state.step - 1, axis=1, keepdims=False)
     live = ~state.done & (state.step < n)
     logits, cache = llama.decode_step(params, last, state.positions, state.cache, active=live)
+    counts = state.counts
+    if penalized:
+        logits = penalize(logits, state.rows, counts)
     index = jnp.broadcast_to(state.step, live.shape)
     nxt = jnp.where(live, sample(logits, state.rows, index, sampled=sampled), _pad_id(eos_id))
+    if penalized:
+        counts = counts.add(nxt, live)
     generated = state.generated.at[:, state.step].set(nxt, mode="drop")
     done = state.done | (nxt == eos_id) if eos_id is not None else state.done
     return dataclasses.replace(
@@ -215,15 +288,17 @@ def _step(params, state: SamplingState, n, *, sampled: bool, eos_id: int | None)
         positions=state.positions + live.astype(jnp.int32),
         done=done,
         cache=cache,
+        counts=counts,
     )
 
 
-def _decode(params, state: SamplingState, n, *, sampled: bool, eos_id: int | None):
+def _decode(params, state: SamplingState, n, *, sampled: bool, penalized: bool, eos_id: int | None):
     """The decode steps after the first token, `n` (int32 []) tokens in all: chunks of
     DECODE_CHUNK steps under one while loop, run while a token is wanted and (with an EOS) a
     row is live. The width being a multiple of DECODE_CHUNK, a chunk runs at most
     DECODE_CHUNK - 1 steps past n, which append nothing."""
-    step = functools.partial(_step, params, n=n, sampled=sampled, eos_id=eos_id)
+    step = functools.partial(_step, params, n=n, sampled=sampled, penalized=penalized,
+                             eos_id=eos_id)  # fmt: skip
 
     def chunk(s):
         return jax.lax.fori_loop(0, DECODE_CHUNK, lambda _, s: step(s), s)
@@ -238,11 +313,12 @@ def _decode(params, state: SamplingState, n, *, sampled: bool, eos_id: int | Non
 
 
 _start_jit = jax.jit(
-    _start, static_argnames=("width", "sampled", "eos_id", "prefill_rows"),
+    _start, static_argnames=("width", "sampled", "penalized", "eos_id", "prefill_rows"),
     donate_argnames=("cache",),
 )  # fmt: skip
-_decode_jit = jax.jit(_decode, static_argnames=("sampled", "eos_id"), donate_argnames=("state",))
-_step_jit = jax.jit(_step, static_argnames=("sampled", "eos_id"), donate_argnames=("state",))
+_loop_static = ("sampled", "penalized", "eos_id")
+_decode_jit = jax.jit(_decode, static_argnames=_loop_static, donate_argnames=("state",))
+_step_jit = jax.jit(_step, static_argnames=_loop_static, donate_argnames=("state",))
 
 
 def _program_args(sampling: Sampling, batch: int, max_new_tokens: int):
@@ -250,7 +326,9 @@ def _program_args(sampling: Sampling, batch: int, max_new_tokens: int):
     static arguments; the decode's) for generate's programs."""
     seeds = (sampling.seed + np.arange(batch, dtype=np.uint64)) % 2**32
     rows = RowSampling.of([dataclasses.replace(sampling, seed=int(s)) for s in seeds])
-    static = dict(sampled=sampling.temperature > 0, eos_id=sampling.eos_id)
+    static = dict(
+        sampled=sampling.temperature > 0, penalized=sampling.penalized, eos_id=sampling.eos_id
+    )
     return rows, dict(width=new_tokens_width(max_new_tokens), **static), static
 
 
@@ -369,6 +447,9 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     eos_id: int | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     lengths=None,
     prefill_rows: int | None = None,
     mesh=None,
@@ -387,6 +468,11 @@ def generate(
         `Sampling(seed=(seed + b) % 2**32)` does alone (its tokens do not depend on the other
         rows).
       eos_id: a sequence stops after producing it; its later positions are eos_id.
+      frequency_penalty, presence_penalty: OpenAI's penalties on the tokens generated so far
+        (a logit minus frequency x the times its id was generated, minus presence if it was);
+        repetition_penalty: transformers' and vLLM's, on the prompt's and the generated
+        tokens' ids (a positive logit divided by it, a negative one multiplied). Traced; a
+        call with any set counts each row's tokens over the vocabulary (`penalize`).
       lengths: int [batch] real prompt lengths (default: all `seq`).
       prefill_rows: rows whose prompts are run at a time (the prompt's working memory grows
         with it, not with the batch); None: all of them, or on a device that reports its
@@ -403,12 +489,17 @@ def generate(
       ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
         outside the vocabulary, prompt + max_new_tokens beyond the model's context, malformed
         lengths, a temperature that is not a finite number >= 0, top_k that is not a positive
-        int (a bool is not), top_p outside (0, 1], a seed outside [0, 2**32), a mesh that does
-        not fit (sharding.check_mesh); all before anything is compiled or run.
+        int (a bool is not), top_p outside (0, 1], a seed outside [0, 2**32), a penalty that
+        is not finite (repetition_penalty also <= 0), a mesh that does not fit
+        (sharding.check_mesh); all before anything is compiled or run.
       TypeError: params that are not LlamaParams, a seed that is not an int.
     """
     seed = check_seed(seed)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id)
+    sampling = Sampling(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty,
+    )  # fmt: skip
     mesh = _mesh_for(params, mesh)
     tokens, lengths, cache, rows = _prepare(
         params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -459,7 +550,7 @@ class TokenStream:
     Runs the same prefill and decode-step functions as `generate` (which fuses them in one
     while_loop). Iterating yields int32 numpy [batch] per step; finished rows yield eos_id.
     Single-prompt use: `for tok in TokenStream(params, [ids], kv="kivi2", eos_id=eos): ...`
-    `mesh` as in `generate`.
+    The penalties and `mesh` as in `generate`.
     """
 
     def __init__(
@@ -474,14 +565,19 @@ class TokenStream:
         top_p: float | None = None,
         seed: int = 0,
         eos_id: int | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         lengths=None,
         mesh=None,
     ):
         mesh = _mesh_for(params, mesh)
         seed = check_seed(seed)
         self.sampling = Sampling(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id
-        )
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            repetition_penalty=repetition_penalty,
+        )  # fmt: skip
         self.max_new_tokens = int(max_new_tokens)
         self.tokens, self.lengths, cache, rows = _prepare(
             params, tokens, lengths, kv=kv, max_new_tokens=max_new_tokens, sampling=self.sampling,

@@ -421,14 +421,17 @@ def scratch_spec(mesh: Mesh) -> P:
     return P(_data_axis(mesh), None, MODEL_AXIS, None)
 
 
-def prefill_chunk(params: LlamaParams, tokens, offset, count, scratch, caches):
+def prefill_chunk(params: LlamaParams, tokens, offset, count, scratch, caches, *,
+                  every_position: bool = False):  # fmt: skip
     """`llama.prefill_chunk` on the mesh that `params` carry; the scratch as `scratch_spec`."""
     mesh = params.mesh
     cspecs = cache_specs(caches, mesh)
     sspecs = jax.tree.map(lambda _: scratch_spec(mesh), scratch)
 
     def run(p, tokens, offset, count, scratch, caches):
-        return llama.prefill_chunk(_local(p, mesh), tokens, offset, count, scratch, caches)
+        return llama.prefill_chunk(
+            _local(p, mesh), tokens, offset, count, scratch, caches, every_position=every_position
+        )
 
     b = P(_data_axis(mesh))
     in_specs = (param_specs(params), b, P(), b, sspecs, cspecs)

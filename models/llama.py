@@ -607,6 +607,8 @@ def prefill_chunk(
     count: jax.Array,
     scratch: tuple,
     caches,
+    *,
+    every_position: bool = False,
 ):
     """One chunk of a long prompt (chunked prefill, kivi_jax.serving): its tokens attend in full
     precision over the whole prompt so far, and their K/V are added to the KV states.
@@ -619,6 +621,8 @@ def prefill_chunk(
       scratch: per layer (k, v) [B, P, H, D] in the params dtype: the prompt's keys and values
         so far (positions [0, offset)), P >= offset + C; the chunk's are written at offset.
       caches: one KV state per layer, holding the prompt's first `offset` tokens.
+      every_position: return the logits of every position of the chunk [B, C, V] (an echo's
+        prompt logprobs), not only of its last real token.
 
     Returns:
       (float32 logits of the chunk's last real token [B, V], the scratch, the states). Run over
@@ -629,7 +633,9 @@ def prefill_chunk(
     if params.mesh is not None:
         from kivi_jax import sharding
 
-        return sharding.prefill_chunk(params, tokens, offset, count, scratch, caches)
+        return sharding.prefill_chunk(
+            params, tokens, offset, count, scratch, caches, every_position=every_position
+        )
     c = params.config
     B, C = tokens.shape
     P = scratch[0][0].shape[1]
@@ -653,5 +659,7 @@ def prefill_chunk(
         h, state = jax.lax.optimization_barrier((h, state))
         out.append(state)
         kept.append((sk, sv))
+    if every_position:
+        return _logits(params, h), tuple(kept), tuple(out)
     last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     return _logits(params, last), tuple(kept), tuple(out)

@@ -119,7 +119,8 @@ class FakeEngine:
     def warmup(self):
         self.warmed = True
 
-    def submit(self, prompt_ids, sampling=None, max_new_tokens=256, stop_ids=()):
+    def submit(self, prompt_ids, sampling=None, max_new_tokens=256, stop_ids=(), logprobs=None,
+               prompt_logprobs=False):  # fmt: skip
         if len(prompt_ids) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_len {self.max_len}")  # fmt: skip

@@ -197,6 +197,52 @@ def test_sampling_is_seeded_and_top_k_1_or_tiny_top_p_is_greedy(params):
     np.testing.assert_array_equal(generate(params, ids, **hot, top_p=1e-6, seed=3), greedy)
 
 
+def penalized_greedy_by_forward(params, ids, n, *, frequency, presence, repetition):
+    """greedy_by_forward with the penalties applied in numpy to each step's logits: the
+    repetition penalty over the prompt's and the generated ids (divide a positive logit,
+    multiply a negative one), then frequency x count and presence for the generated ids."""
+    seq = np.zeros((1, len(ids) + n), np.int32)
+    seq[0, : len(ids)] = ids
+    for t in range(len(ids), len(ids) + n):
+        logits = np.asarray(kivi_jax.forward(params, jnp.asarray(seq)))[0, t - 1]
+        count = np.bincount(seq[0, len(ids) : t], minlength=logits.size)
+        seen = (count > 0) | np.isin(np.arange(logits.size), ids)
+        logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition),
+                          logits)  # fmt: skip
+        logits = logits - frequency * count - presence * (count > 0)
+        seq[0, t] = int(logits.argmax())
+    return seq[0, len(ids) :].tolist()
+
+
+def test_greedy_tokens_with_penalties_equal_penalizing_each_steps_logits(params):
+    """OpenAI's frequency and presence penalties and transformers' repetition penalty, as
+    traced per-row values: the tokens equal a numpy loop over forward's logits, and differ
+    from the unpenalized ones (the tiny model repeats itself)."""
+    ids = prompt(21, seed=13)
+    n, pen = 24, dict(frequency=0.7, presence=0.4, repetition=1.6)
+    out = generate(params, ids[None], kv="full", max_new_tokens=n, frequency_penalty=0.7,
+                   presence_penalty=0.4, repetition_penalty=1.6)  # fmt: skip
+    expected = penalized_greedy_by_forward(params, ids, n, **pen)
+    assert np.asarray(out[0]).tolist() == expected
+    assert expected != greedy_by_forward(params, ids, n)
+    for one in [dict(frequency=0.0, presence=0.0, repetition=1.6),
+                dict(frequency=1.5, presence=0.0, repetition=1.0),
+                dict(frequency=0.0, presence=-1.0, repetition=1.0)]:  # fmt: skip
+        out = generate(params, ids[None], kv="full", max_new_tokens=n,
+                       frequency_penalty=one["frequency"], presence_penalty=one["presence"],
+                       repetition_penalty=one["repetition"])  # fmt: skip
+        assert np.asarray(out[0]).tolist() == penalized_greedy_by_forward(params, ids, n, **one)
+
+
+def test_a_new_penalty_value_compiles_nothing(params):
+    ids = prompt(20, seed=9)[None]
+    generate(params, ids, kv="full", max_new_tokens=N, repetition_penalty=1.2)
+    before = _start_jit._cache_size(), _decode_jit._cache_size()
+    for kw in [dict(frequency_penalty=0.5), dict(presence_penalty=-0.3, repetition_penalty=0.8)]:
+        generate(params, ids, kv="full", max_new_tokens=N, **kw)
+    assert (_start_jit._cache_size(), _decode_jit._cache_size()) == before
+
+
 def test_bfloat16_params_generate_with_a_bfloat16_cache(params):
     ids = prompt(20, seed=8)[None]
     out = generate(params.astype(jnp.bfloat16), ids, kv="kivi2", max_new_tokens=N)
@@ -341,6 +387,8 @@ def test_generate_text_applies_the_chat_template_and_stops_at_eos(tmp_path, para
         (dict(top_p=0.0), "top_p must be in"),
         (dict(top_k=0), "top_k must be a positive int"),
         (dict(eos_id=10_000), "eos_id 10000 is outside the vocabulary"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0 and finite"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
     ],
 )
 def test_bad_arguments_fail_before_anything_runs(params, kwargs, message):

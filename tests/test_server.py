@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.parse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -288,6 +289,108 @@ def test_sampling_with_a_seed_repeats(server):
     assert first == second
 
 
+def test_penalties_reach_the_sampler(server, tiny):
+    """frequency, presence and repetition penalties: the answer is generate's with them (the
+    tiny model repeats itself: they change it)."""
+    pen = dict(frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.5)
+    prompt, n = "the end is near", 16
+    r = _client(server.base).completions.create(
+        model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+        frequency_penalty=pen["frequency_penalty"], presence_penalty=pen["presence_penalty"],
+        extra_body={"repetition_penalty": pen["repetition_penalty"]},
+    )  # fmt: skip
+    ids = tiny.tokenizer.encode(prompt)
+    out = np.asarray(generate(tiny.params, [ids], kv="kivi2", max_new_tokens=n, **pen))[0]
+    eos = tiny.tokenizer.eos_id
+    answer = out.tolist()[: out.tolist().index(eos)] if eos in out else out.tolist()
+    assert r.choices[0].text == tiny.tokenizer.decode(answer)
+    _, plain = _reference(tiny, prompt, n, chat=False)
+    assert answer != plain
+
+
+def _log_softmax(tiny, ids) -> np.ndarray:
+    """[len(ids), V]: forward's log-probabilities of the token after each position."""
+    logits = kivi_jax.forward(tiny.params, np.array([ids]))[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def test_echo_and_logprobs_give_the_prompts_log_softmax_as_lm_eval_reads_it(server, tiny):
+    """lm-evaluation-harness's local-completions loglikelihood request: prompts as lists of
+    token ids, echo, logprobs 1, max_tokens 1, temperature 0. Each choice's token_logprobs are
+    forward's log-softmax at each prompt token (None first), then the answer's token; lm-eval's
+    sum over the continuation (`[ctxlen:-1]`) is forward's."""
+    prompts = [tiny.tokenizer.encode(t) for t in ("the theme of the end", "in the tiny test")]
+    body = {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0, "seed": 1234}  # fmt: skip
+    status, _, raw = _http(server.base, "/v1/completions", body)
+    assert status == 200, raw
+    reply = json.loads(raw)
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    for ids, choice in zip(prompts, reply["choices"], strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        expected = _log_softmax(tiny, ids)
+        want = [expected[p - 1, ids[p]] for p in range(1, len(ids))]
+        np.testing.assert_allclose(lp["token_logprobs"][1 : len(ids)], want, atol=1e-4)
+        ctxlen = 2
+        np.testing.assert_allclose(sum(lp["token_logprobs"][ctxlen:-1]), sum(want[ctxlen - 1 :]),
+                                   atol=1e-3)  # fmt: skip
+        for p in range(1, len(ids)):  # the most likely token, and the prompt's own
+            top = lp["top_logprobs"][p]
+            best = expected[p - 1].max()
+            assert max(top.values()) == pytest.approx(best, abs=1e-4) and len(top) <= 2
+        # the answer: the greedy token, its logprob forward's at the prompt's end
+        assert lp["token_logprobs"][-1] == pytest.approx(expected[-1].max(), abs=1e-4)
+        assert choice["text"].startswith(tiny.tokenizer.decode(ids))
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    only = dict(body, max_tokens=0, prompt=prompts[0])  # the prompt's logprobs alone
+    status, _, raw = _http(server.base, "/v1/completions", only)
+    choice = json.loads(raw)["choices"][0]
+    assert status == 200 and len(choice["logprobs"]["tokens"]) == len(prompts[0])
+    assert choice["text"] == tiny.tokenizer.decode(prompts[0])
+    assert json.loads(raw)["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_have_openais_shape_and_forwards_values(server, tiny):
+    client, n = _client(server.base), 6
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "the theme"}], max_tokens=n,
+        temperature=0, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    ids, answer = _reference(tiny, "the theme", n, chat=True)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(answer)  # an EOS is not shown
+    expected = _log_softmax(tiny, ids + answer)[len(ids) - 1 :]
+    for i, (entry, token) in enumerate(zip(content, answer, strict=True)):
+        text = tiny.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.token == text and entry.bytes == list(text.encode())
+        assert entry.logprob == pytest.approx(expected[i, token], abs=1e-4)
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == pytest.approx(np.sort(expected[i])[::-1][:3].tolist(), abs=1e-4)
+
+
+def test_n_choices_each_sample_with_its_own_seed_streamed_or_not(server):
+    """n = 3: three choices (index 0-2), choice j sampled as a request of seed + j alone;
+    usage counts the prompt once and every choice's tokens. Streamed, each chunk names its
+    choice and each choice ends with its finish reason."""
+    client = _client(server.base)
+    kw = dict(model="tiny", prompt="the theme", max_tokens=8, temperature=1.0)
+    r = client.completions.create(n=3, seed=40, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.completions.create(seed=40 + j, **kw) for j in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.completions.create(n=3, seed=40, stream=True, **kw))
+    for j in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == j]
+        assert "".join(c.text for c in mine) == r.choices[j].text
+        assert mine[-1].finish_reason == r.choices[j].finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+
+
 # -------------------------------------------------------------------------------- bad input
 
 LONG = {"prompt": "hi", "max_tokens": MAX_LEN}
@@ -296,7 +399,9 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", b'["prompt"]', 400, None, "object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": 7}, 400, "prompt",
-     "must be a string or a list of token ids, got 7"),
+     "must be a string, a list of token ids, or a list of either, got 7"),
+    ("/v1/completions", {"prompt": ["hi", 7]}, 400, "prompt", "a list of either"),
+    ("/v1/completions", {"prompt": [[1], []]}, 400, "prompt", "a list of token ids is empty"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "'gpt-9'"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
@@ -306,11 +411,31 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400,
      "messages.0.role", "'user'"),
     ("/v1/completions", LONG, 400, "max_tokens", f"context of {MAX_LEN} tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "1"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "0"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", "less than or equal"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only n = 1"),
+    ("/v1/completions", {"prompt": "hi", "n": SLOTS + 1}, 400, "n",
+     f"{SLOTS + 1} choices, more than the {SLOTS} requests this server decodes at once"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 400, "n", "6 choices"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs",
+     "less than or equal to 5"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
+     "0 is served with echo only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+     "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+     "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+     400, "echo", "unsupported"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty",
+     "less than or equal to 2"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": -3}, 400, "presence_penalty",
+     "greater than or equal to -2"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty",
+     "greater than 0"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty", "must be a finite number, got Infinity"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {}}, 400, "logit_bias", "unsupported"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "99999"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", "0"),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from tiny_model import tiny_params
 
+import kivi_jax
 from kivi_jax.generate import Sampling, generate
 from kivi_jax.memory import memory_report
 from kivi_jax.serving import Engine, EngineError, QueueFullError
@@ -42,6 +43,14 @@ def alone(params, kv, ids, n, **sampling):
     return np.asarray(generate(params, np.array([ids]), kv=kv, max_new_tokens=n, **sampling))[
         0
     ].tolist()
+
+
+def log_softmax_of_forward(params, ids):
+    """float32 [len(ids), V]: position p's log-probabilities of the next token, by forward
+    (over a width of 128: one compile; causal, so the padding changes nothing before it)."""
+    tokens = np.zeros((1, 128), np.int32)
+    tokens[0, : len(ids)] = ids
+    return np.asarray(jax.nn.log_softmax(kivi_jax.forward(params, tokens)[0, : len(ids)]))
 
 
 def engine(params, kv, **kw):
@@ -122,15 +131,75 @@ def test_no_compilation_over_50_mixed_requests_after_warmup(params):
     for i in range(50):
         n = int(rng.integers(1, 100))  # in one call or in chunks
         hot = dict(temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(1, 50)))
-        sampling = Sampling(**hot, seed=i) if i % 3 == 0 else None
-        new = int(rng.integers(1, 20))
-        handles.append(e.submit(prompt(n, seed=100 + i), sampling, max_new_tokens=new))
+        penalties = dict(frequency_penalty=float(rng.uniform(-2, 2)),
+                         repetition_penalty=float(rng.uniform(0.5, 2)))  # fmt: skip
+        sampling = [None, Sampling(**hot, seed=i), Sampling(**penalties, seed=i)][i % 3]
+        new = int(rng.integers(0 if i % 4 == 1 else 1, 20))
+        scored = dict(logprobs=int(rng.integers(0, 21)), prompt_logprobs=True) if i % 4 == 1 else {}
+        handles.append(e.submit(prompt(n, seed=100 + i), sampling, max_new_tokens=new, **scored))
         if i % 5 == 4:
             e.step()
     while e.step():
         pass
     assert all(h.finish_reason == "length" for h in handles)
     assert compiled[before:] == []
+
+
+def test_penalties_and_logprobs_are_per_row_values(params):
+    """Requests with penalties (greedy and sampled), with logprobs and with neither, decoded
+    together: each gets the tokens generate gives its prompt alone with its values; a row's
+    logprobs are the float32 log-softmax of the model's logits before penalties and
+    temperature (here: forward's over its prompt and tokens: under 128 tokens a KIVI-2 state
+    holds them all in full precision), with the alternatives most likely first."""
+    pen = dict(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.6)
+    rows = {  # name: (prompt, sampling values, logprobs)
+        "penalized": (prompt(20, seed=30), pen, None),
+        "sampled": (prompt(25, seed=31), dict(pen, temperature=1.0, seed=3), 2),
+        "scored": (prompt(15, seed=32), {}, 5),
+        "plain": (prompt(22, seed=33), {}, None),
+    }
+    e = engine(params, "kivi2")
+    n = 12
+    h = {k: e.submit(ids, Sampling(**kw), max_new_tokens=n, logprobs=lp)
+         for k, (ids, kw, lp) in rows.items()}  # fmt: skip
+    while e.step():
+        pass
+    for name, (ids, kw, lp) in rows.items():
+        assert h[name].result() == alone(params, "kivi2", ids, n, **kw), name
+        assert len(h[name].logprobs) == (0 if lp is None else n)
+    assert h["penalized"].result() != alone(params, "kivi2", rows["penalized"][0], n)
+    for name in ("sampled", "scored"):
+        ids, tokens = rows[name][0], h[name].result()
+        expected = log_softmax_of_forward(params, ids + tokens)[len(ids) - 1 : -1]  # [n, V]
+        for i, (t, got) in enumerate(zip(tokens, h[name].logprobs, strict=True)):
+            assert got.token == t
+            np.testing.assert_allclose(got.logprob, expected[i, t], atol=1e-4)
+            top_ids, top = zip(*got.top, strict=True)
+            assert len(top) == rows[name][2] and list(top) == sorted(top, reverse=True)
+            np.testing.assert_allclose(top, np.sort(expected[i])[::-1][: len(top)], atol=1e-4)
+            np.testing.assert_allclose(top, expected[i, list(top_ids)], atol=1e-4)
+
+
+def test_a_prompts_own_logprobs_are_forwards_log_softmax(params):
+    """prompt_logprobs over a prompt of 70 tokens (three chunks of 32): position p's entry is
+    log_softmax(forward(prompt))[p - 1] at prompt[p] (None for p = 0), with its 3 most likely
+    alternatives; max_new_tokens 0 ends the request with them, no token generated."""
+    ids = prompt(70, seed=34)
+    expected = log_softmax_of_forward(params, ids)
+    e = engine(params, "kivi2")
+    only = e.submit(ids, max_new_tokens=0, logprobs=3, prompt_logprobs=True)
+    more = e.submit(ids, max_new_tokens=5, logprobs=3, prompt_logprobs=True)
+    while e.step():
+        pass
+    assert only.finish_reason == "length" and only.result() == []
+    assert more.result() == alone(params, "kivi2", ids, 5)
+    for h in (only, more):
+        assert h.prompt_logprobs[0] is None and len(h.prompt_logprobs) == 70
+        for p, got in enumerate(h.prompt_logprobs[1:], start=1):
+            assert got.token == ids[p]
+            np.testing.assert_allclose(got.logprob, expected[p - 1, ids[p]], atol=1e-4)
+            _, top = zip(*got.top, strict=True)
+            np.testing.assert_allclose(top, np.sort(expected[p - 1])[::-1][:3], atol=1e-4)
 
 
 def test_submit_rejects_what_cannot_run(params):
@@ -142,8 +211,14 @@ def test_submit_rejects_what_cannot_run(params):
         e.submit([])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         e.submit([1, 264])
-    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
-        e.submit([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        e.submit([1, 2], max_new_tokens=-1)
+    nothing = e.submit([1, 2], max_new_tokens=0)  # without prompt_logprobs: done at once
+    assert nothing.finish_reason == "length" and nothing.result() == []
+    with pytest.raises(ValueError, match=r"logprobs must be an int in \[0, 20\], got 21"):
+        e.submit([1, 2], logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs needs logprobs"):
+        e.submit([1, 2], prompt_logprobs=True)
     e.submit([1, 2], max_new_tokens=2)
     e.submit([1, 2], max_new_tokens=2)
     with pytest.raises(QueueFullError, match="max_queue=2"):
@@ -356,6 +431,10 @@ def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):
     fp = c.num_layers * 2 * 128 * c.num_kv_heads * c.head_dim * 4
     assert s.prefill_scratch_bytes > fp
     assert e.stats().kv_bytes_in_use == slots // 2
+    # a slot's share of the memory plan: its KV state, the penalties' token counts over the
+    # vocabulary (int32 generated + bool prompted: 5 bytes an id) and a few counters
+    V = c.vocab_size
+    assert slots // 2 + 5 * V < e.memory_plan.slot < slots // 2 + 5 * V + 200
     while e.step():
         pass
     assert h.done and e.stats().kv_bytes_in_use == 0

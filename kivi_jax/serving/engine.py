@@ -2,18 +2,26 @@
 of one fixed-shape KV state, decoded together.
 
 The device side is a few pure jitted functions over `SlotState` (the KV state of `slots` rows
-and each row's sampling values, counters and stop ids), each donating the state so that it is
-updated in place:
+and each row's sampling values, counters, stop ids and token counts), each donating the state so
+that it is updated in place:
 
     _prefill_row    a prompt of at most prefill_chunk tokens (padded to a PROMPT_BUCKET
                     multiple) -> its logits and a one-row KV state (llama.prefill)
     _prefill_chunk  a longer prompt, one chunk per call: full-precision attention over the
                     prompt so far (a full-precision K/V scratch), K/V added to a one-row state
+    _echo_chunk     _prefill_chunk that also returns the logprobs of the chunk's prompt tokens
+                    (every position's logits: any prompt whose own logprobs are asked)
     _insert_row     the one-row state and the first token into a slot (its whole row written,
                     other rows untouched)
     _reset          a slot back to the empty state of init_cache (inactive)
     _decode         `decode_steps` decode steps of every slot in one call (inactive slots append
                     nothing), returning their tokens [slots, decode_steps]
+
+_decode comes in four programs, two static flags: `sampled` (some row samples: the sort and
+the draw) and `extras` (some row has a penalty or asks for logprobs: the penalties applied, the
+generated tokens counted, each token's logprobs and the MAX_LOGPROBS most likely computed). A
+decode program whose rows are all greedy without either holds none of it. _insert_row (one row,
+once a request) always applies its penalties and computes its logprobs, greedy or sampled.
 
 Rows are written with tree_map over the state's arrays on kivi_jax.cache.BATCH_AXIS (the
 layout's invariant: every per-row array holds its rows on axis 0). The host side (`Engine`)
@@ -49,7 +57,15 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from kivi_jax import sharding
 from kivi_jax.cache import BATCH_AXIS, init_cache
 from kivi_jax.config import KiviConfig
-from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv, sample
+from kivi_jax.generate import (
+    PROMPT_BUCKET,
+    RowSampling,
+    Sampling,
+    TokenCounts,
+    penalize,
+    resolve_kv,
+    sample,
+)
 from kivi_jax.memory import memory_report
 from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
@@ -57,6 +73,7 @@ from kivi_jax.serving import sizing
 from kivi_jax.serving.sizing import MemoryPlan
 
 MAX_STOP_IDS = 16  # stop ids per request, the engine's eos_id and the request's eos_id included
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's chat top_logprobs limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +123,36 @@ class SlotState:
     limit: jax.Array  # int32 [S]: max_new_tokens
     stops: jax.Array  # int32 [S, MAX_STOP_IDS]: tokens that end the request, -1 unused
     rows: RowSampling  # sampling values [S]
+    counts: TokenCounts  # [S, V]: the prompt's ids and the generated ones (the penalties')
+
+
+@flax.struct.dataclass
+class TokenLogprobs:
+    """Log-probabilities under the model: the float32 log-softmax of its logits, before
+    penalties and temperature (vLLM's default), of a token and of the most likely ones."""
+
+    logprob: jax.Array  # float32 [...]: the token's
+    top_ids: jax.Array  # int32 [..., MAX_LOGPROBS]: the most likely ids, most likely first
+    top_logprobs: jax.Array  # float32 [..., MAX_LOGPROBS]
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logits float32 [..., V], tokens int32 [...] -> their TokenLogprobs (top-k on the
+    device: MAX_LOGPROBS per position leave it)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    return TokenLogprobs(logprob=chosen, top_ids=ids.astype(jnp.int32), top_logprobs=top)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability (TokenLogprobs) read back: `top` holds the request's
+    `logprobs` most likely (id, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def _kv_heads(params: LlamaParams) -> int:
@@ -128,7 +175,7 @@ def _empty_caches(params: LlamaParams, kv: KiviConfig | None, batch: int, max_le
     )  # fmt: skip
 
 
-def _empty_state(caches, batch: int) -> SlotState:
+def _empty_state(caches, batch: int, vocab: int) -> SlotState:
     """init_cache's empty state `caches` (a mixed state's empty heavy slots -1 / -inf), every
     row inactive."""
     return SlotState(
@@ -139,6 +186,9 @@ def _empty_state(caches, batch: int) -> SlotState:
         limit=jnp.zeros(batch, jnp.int32),
         stops=jnp.full((batch, MAX_STOP_IDS), -1, jnp.int32),
         rows=jax.tree.map(jnp.asarray, RowSampling.of([Sampling()] * batch)),
+        counts=TokenCounts(
+            generated=jnp.zeros((batch, vocab), jnp.int32), prompted=jnp.zeros((batch, vocab), bool)
+        ),
     )
 
 
@@ -192,51 +242,84 @@ def _empty_row(params, *, kv, max_len):
 _prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
 
 
+@functools.partial(jax.jit, donate_argnames=("scratch", "caches"))
+def _echo_chunk(params, tokens, offset, count, scratch, caches, following):
+    """_prefill_chunk that also scores the chunk's prompt tokens: following int32 [R, C] is the
+    prompt's token after each of the chunk's positions -> (logits of the last real token
+    [R, V], the scratch, the states, TokenLogprobs [R, C] of `following`)."""
+    logits, scratch, caches = llama.prefill_chunk(
+        params, tokens, offset, count, scratch, caches, every_position=True
+    )  # logits [R, C, V]
+    last = jnp.take_along_axis(logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, scratch, caches, token_logprobs(logits, following)
+
+
 @functools.partial(jax.jit, static_argnames=("sampled", "mesh"), donate_argnames=("state",))
 def _insert_row(
-    state: SlotState, caches, logits, rows: RowSampling, limit, stops, slot, *, sampled, mesh
-):
+    state: SlotState, caches, logits, rows: RowSampling, prompted, limit, stops, slot, *,
+    sampled, mesh,
+):  # fmt: skip
     """A prefilled request (its state, last logits [R, V] of R equal rows, sampling values,
-    limit [1], stops [1, MAX_STOP_IDS]) into row `slot`; returns (state, its first token [1])."""
+    its prompt's ids prompted bool [1, V], limit [1], stops [1, MAX_STOP_IDS]) into row
+    `slot`; returns (state, its first token [1, 1], its TokenLogprobs [1, 1]). The penalties
+    and the logprobs of this one row are always computed (a few operations over [1, V])."""
     first_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=BATCH_AXIS)
     caches, logits = jax.tree.map(first_row, caches), logits[:1]
-    first = sample(logits, rows, jnp.zeros(1, jnp.int32), sampled=sampled)
+    counts = TokenCounts(generated=jnp.zeros(prompted.shape, jnp.int32), prompted=prompted)
+    first = sample(penalize(logits, rows, counts), rows, jnp.zeros(1, jnp.int32), sampled=sampled)
     ends = jnp.any(first[:, None] == stops, axis=1) | (limit <= 1)
     row = SlotState(
         caches=caches, last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
-        stops=stops, rows=rows,
+        stops=stops, rows=rows, counts=counts.add(first, jnp.ones(1, bool)),
     )  # fmt: skip
-    return _keep_sharding(_put_row(state, row, slot), mesh), first
+    scores = token_logprobs(logits[:, None], first[:, None])
+    return _keep_sharding(_put_row(state, row, slot), mesh), first[:, None], scores
 
 
 @functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("state",))
 def _reset(params, state: SlotState, slot, *, kv):
-    empty = _empty_state(_empty_caches(params, kv, 1, state.caches[0].max_len), 1)
+    caches = _empty_caches(params, kv, 1, state.caches[0].max_len)
+    empty = _empty_state(caches, 1, params.config.vocab_size)
     return _keep_sharding(_put_row(state, empty, slot), params.mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "sampled"), donate_argnames=("state",))
-def _decode(params, state: SlotState, *, steps: int, sampled: bool):
+@functools.partial(
+    jax.jit, static_argnames=("steps", "sampled", "extras"), donate_argnames=("state",)
+)
+def _decode(params, state: SlotState, *, steps: int, sampled: bool, extras: bool):
     """`steps` decode steps of every active slot -> (state, tokens int32 [S, steps], -1 where
-    the slot was inactive). A slot stops after a stop id or its limit."""
+    the slot was inactive, and with `extras` (static: the penalties applied, the tokens
+    counted, the logprobs computed) their TokenLogprobs [S, steps], else None). A slot stops
+    after a stop id or its limit."""
+    S = state.last.shape[0]
 
     def step(i, carry):
-        s, out = carry
+        s, out, scores = carry
         logits, caches = llama.decode_step(
             params, s.last, s.caches[0].lengths, s.caches, active=s.active
         )
-        tok = jnp.where(s.active, sample(logits, s.rows, s.count, sampled=sampled), -1)
+        chosen = penalize(logits, s.rows, s.counts) if extras else logits
+        tok = jnp.where(s.active, sample(chosen, s.rows, s.count, sampled=sampled), -1)
         count = s.count + s.active.astype(jnp.int32)
         ends = jnp.any(tok[:, None] == s.stops, axis=1) | (count >= s.limit)
         s = dataclasses.replace(
             s, caches=caches, last=jnp.where(s.active, tok, s.last), count=count,
-            active=s.active & ~ends,
+            active=s.active & ~ends, counts=s.counts.add(tok, s.active) if extras else s.counts,
         )  # fmt: skip
-        return s, out.at[:, i].set(tok)
+        if extras:
+            new = token_logprobs(logits, tok)
+            scores = jax.tree.map(lambda all, x: all.at[:, i].set(x), scores, new)
+        return s, out.at[:, i].set(tok), scores
 
-    out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
-    state, out = jax.lax.fori_loop(0, steps, step, (state, out))
-    return _keep_sharding(state, params.mesh), out
+    out = jnp.full((S, steps), -1, jnp.int32)
+    scores = None
+    if extras:
+        scores = TokenLogprobs(
+            logprob=jnp.zeros((S, steps)), top_ids=jnp.zeros((S, steps, MAX_LOGPROBS), jnp.int32),
+            top_logprobs=jnp.zeros((S, steps, MAX_LOGPROBS)),
+        )  # fmt: skip
+    state, out, scores = jax.lax.fori_loop(0, steps, step, (state, out, scores))
+    return _keep_sharding(state, params.mesh), out, scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +341,18 @@ class EngineStats:
 
 class RequestHandle:
     """A submitted request: its tokens as they are produced (iterate, async-iterate or
-    result()), its finish_reason once done."""
+    result()), its finish_reason once done. With `logprobs` asked, `logprobs[i]` is token i's
+    Logprob once token i is out, and with `prompt_logprobs` `prompt_logprobs` holds the
+    prompt's (None for its first token, which nothing predicts) before the first token is out
+    (or the request is done)."""
 
     def __init__(self, id: int, prompt: np.ndarray, sampling: Sampling, max_new_tokens: int,
-                 stops: tuple[int, ...]):  # fmt: skip
+                 stops: tuple[int, ...], logprobs: int | None = None,
+                 prompt_logprobs: bool = False):  # fmt: skip
         self.id = id
         self.prompt_tokens = len(prompt)
+        self.logprobs: list[Logprob] = []
+        self.prompt_logprobs: list[Logprob | None] = [None] if prompt_logprobs else []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.submit_time = time.perf_counter()
@@ -272,6 +361,7 @@ class RequestHandle:
         self._prompt, self._sampling, self._max_new, self._stops = (
             prompt, sampling, max_new_tokens, stops
         )  # fmt: skip
+        self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
         self._tokens: list[int] = []
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -295,11 +385,18 @@ class RequestHandle:
             except RuntimeError:  # the loop was closed
                 pass
 
-    def _push(self, token: int) -> str | None:
-        """Adds a token; returns the finish_reason it implies, if any."""
+    @property
+    def _extras(self) -> bool:
+        """Its programs apply penalties or compute logprobs."""
+        return self._sampling.penalized or self._logprobs is not None
+
+    def _push(self, token: int, logprob: Logprob | None = None) -> str | None:
+        """Adds a token (and its Logprob); returns the finish_reason it implies, if any."""
         with self._cond:
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
+            if logprob is not None:
+                self.logprobs.append(logprob)
             self._tokens.append(token)
             self._wake()
             if token in self._stops:
@@ -372,6 +469,35 @@ class _LongPrompt:
     slot: int
     offset: int
     caches: tuple  # its one-row KV state so far
+
+
+@dataclasses.dataclass
+class _Tokens:
+    """Tokens on the device, not yet read: (tokens int32 [rows, n], their TokenLogprobs or
+    None), and whose they are: {slot: (its request, its row)}."""
+
+    arrays: tuple
+    owners: dict[int, tuple[RequestHandle, int]]
+
+
+@dataclasses.dataclass
+class _PromptScores:
+    """TokenLogprobs [R, C] of a prompt chunk's `count` positions from `offset`, not yet read
+    (row 0 read); `last`: the request ends with them (max_new_tokens 0)."""
+
+    arrays: TokenLogprobs
+    request: RequestHandle
+    slot: int
+    offset: int
+    count: int
+    last: bool
+
+
+def _logprob(scores, at, token: int, k: int) -> Logprob:
+    """The Logprob of `token` at index `at` of read-back TokenLogprobs, with k alternatives."""
+    ids, lps = scores.top_ids[at][:k].tolist(), scores.top_logprobs[at][:k].tolist()
+    top = tuple(zip(ids, lps, strict=True))
+    return Logprob(token=token, logprob=float(scores.logprob[at]), top=top)
 
 
 class Engine:
@@ -475,8 +601,7 @@ class Engine:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._occupant: list[RequestHandle | None] = [None] * self.slots
         self._long: _LongPrompt | None = None
-        # device results not yet read: (tokens [rows] or [rows, steps], {slot: (its request,
-        # its row of the tokens)})
+        # device results not yet read, in order: _Tokens and _PromptScores
         self._events: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
@@ -498,8 +623,19 @@ class Engine:
         sampling: Sampling | None = None,
         max_new_tokens: int = 256,
         stop_ids: Sequence[int] = (),
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> RequestHandle:
-        """Queues a request; returns its handle. Thread-safe."""
+        """Queues a request; returns its handle. Thread-safe.
+
+        logprobs: None, or each token's Logprob with this many alternatives (at most
+          MAX_LOGPROBS) in handle.logprobs. A request with logprobs or a penalty runs the
+          programs that compute them (`extras`) and with it every request decoded meanwhile.
+        prompt_logprobs: (with logprobs) the prompt's own in handle.prompt_logprobs: its
+          prompt is prefilled in chunks (the chunk program that returns every position's
+          logits), whatever its length.
+        max_new_tokens: 0 generates nothing: the request ends once its prompt's logprobs are
+          read, or without prompt_logprobs at once (finish_reason "length")."""
         V = self.params.config.vocab_size
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
@@ -512,8 +648,14 @@ class Engine:
         sampling = Sampling() if sampling is None else sampling
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a Sampling or None, got {type(sampling).__name__}")
-        if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if logprobs is not None and (
+            not isinstance(logprobs, int | np.integer) or not 0 <= logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+        if prompt_logprobs and logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (the alternatives to report)")
+        if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
@@ -538,7 +680,10 @@ class Engine:
                     f"{len(self._queue)} requests already wait (max_queue={self.max_queue})"
                 )
             h = RequestHandle(next(self._ids), prompt.astype(np.int32), sampling,
-                              int(max_new_tokens), stops)  # fmt: skip
+                              int(max_new_tokens), stops, logprobs, prompt_logprobs)  # fmt: skip
+            if max_new_tokens == 0 and not prompt_logprobs:  # nothing to run
+                self._end(h, "length")
+                return h
             self._queue.append(h)
             self._work.notify_all()
         return h
@@ -665,7 +810,9 @@ class Engine:
         """The shapes, dtypes and shardings of the state of `slots` rows (nothing allocated)."""
         p, kv = self.params, self.kv
         state = jax.eval_shape(
-            lambda: _empty_state(_empty_caches(p, kv, slots, self.max_len), slots)
+            lambda: _empty_state(
+                _empty_caches(p, kv, slots, self.max_len), slots, p.config.vocab_size
+            )
         )
         if self.mesh is None:
             shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), state)
@@ -691,7 +838,8 @@ class Engine:
         where = lambda specs: jax.tree.map(lambda x: x.sharding, specs)
         if self._state is None:
             p, S = self.params, self.slots
-            empty = lambda: _empty_state(_empty_caches(p, self.kv, S, self.max_len), S)
+            caches = lambda: _empty_caches(p, self.kv, S, self.max_len)
+            empty = lambda: _empty_state(caches(), S, p.config.vocab_size)
             self._state = jax.jit(empty, out_shardings=where(self._state_spec))()
         if self._scratch is None:
             zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._scratch_spec)
@@ -709,30 +857,36 @@ class Engine:
         return jax.tree.map(_spec, lowered.out_info, compiled.output_shardings)
 
     def _compile_prompt_programs(self):
-        """The programs that do not depend on the slots: each prompt bucket's prefill and the
-        chunk. Returns the specs of a prefilled one-row state and its logits."""
+        """The programs that do not depend on the slots: each prompt bucket's prefill, the
+        chunk and the echo's chunk. Returns the specs of a prefilled one-row state and its
+        logits."""
         p, kv, L, C = self.params, self.kv, self.max_len, self.prefill_chunk
         r = _prompt_rows(p)
         empty = self._compile("empty_row", _empty_row, p, kv=kv, max_len=L)
         for w in self._buckets():
             logits, row = self._compile(f"prefill_row[{w}]", _prefill_row, p, _i32(r, w),
                                         _i32(r), kv=kv, max_len=L)  # fmt: skip
+        chunk = (p, _i32(r, C), _i32(), _i32(r), self._scratch_spec, empty)
         if L > C:  # a prompt may need chunks
-            self._compile(f"prefill_chunk[{C}]", _prefill_chunk, p, _i32(r, C), _i32(), _i32(r),
-                          self._scratch_spec, empty)  # fmt: skip
+            self._compile(f"prefill_chunk[{C}]", _prefill_chunk, *chunk)
+        self._compile(f"echo_chunk[{C}]", _echo_chunk, *chunk, _i32(r, C))
         return row, logits
 
     def _compile_slot_programs(self, slots: int, row, logits) -> None:
-        """insert, reset and decode (greedy and sampled) for a state of `slots` rows."""
+        """insert (greedy, sampled), decode (each with or without extras) and reset for a
+        state of `slots` rows."""
         p, state = self.params, self._abstract_state(slots)
         rows = jax.tree.map(_spec, RowSampling.of([Sampling()]))
+        prompted = jax.ShapeDtypeStruct((1, p.config.vocab_size), bool)
+        stops = _i32(1, MAX_STOP_IDS)
         for sampled in (False, True):
             kind = "sampled" if sampled else "greedy"
-            stops = _i32(1, MAX_STOP_IDS)
-            self._compile(f"insert_row[{kind}]", _insert_row, state, row, logits, rows, _i32(1),
-                          stops, _i32(), sampled=sampled, mesh=self.mesh)  # fmt: skip
-            self._compile(f"decode[{kind}, {self.decode_steps} steps]", _decode, p, state,
-                          steps=self.decode_steps, sampled=sampled)  # fmt: skip
+            self._compile(f"insert_row[{kind}]", _insert_row, state, row, logits, rows, prompted,
+                          _i32(1), stops, _i32(), sampled=sampled, mesh=self.mesh)  # fmt: skip
+            for extras in (False, True):
+                self._compile(f"decode[{kind}{', extras' if extras else ''}, "
+                              f"{self.decode_steps} steps]", _decode, p, state,
+                              steps=self.decode_steps, sampled=sampled, extras=extras)  # fmt: skip
         self._compile("reset", _reset, p, state, _i32(), kv=self.kv)
 
     def _fit_slots(self) -> int:
@@ -832,7 +986,7 @@ class Engine:
                 slot = free[0]
                 self._occupant[slot] = h
             n = len(h._prompt)
-            if n > self.prefill_chunk:
+            if n > self.prefill_chunk or h._prompt_logprobs:
                 try:
                     row = self._new_row()
                 except Exception as e:
@@ -853,33 +1007,48 @@ class Engine:
 
     def _chunk(self) -> None:
         lp, C = self._long, self.prefill_chunk
-        part = lp.request._prompt[lp.offset : lp.offset + C]
+        h = lp.request
+        part = h._prompt[lp.offset : lp.offset + C]
         r = _prompt_rows(self.params)
         tokens = np.zeros((r, C), np.int32)
         tokens[:, : len(part)] = part
+        args = (self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
+                self._scratch, lp.caches)  # fmt: skip
         try:
-            logits, self._scratch, lp.caches = _prefill_chunk(
-                self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
-                self._scratch, lp.caches,
-            )  # fmt: skip
-            lp.offset += len(part)
-            if lp.offset == len(lp.request._prompt):
+            if h._prompt_logprobs:
+                following = np.zeros((r, C), np.int32)
+                after = h._prompt[lp.offset + 1 : lp.offset + C + 1]
+                following[:, : len(after)] = after
+                logits, self._scratch, lp.caches, scores = _echo_chunk(*args, following)
+                jax.tree.map(lambda x: x.copy_to_host_async(), scores)
+            else:
+                logits, self._scratch, lp.caches = _prefill_chunk(*args)
+            offset, lp.offset = lp.offset, lp.offset + len(part)
+            last = lp.offset == len(h._prompt)
+            if h._prompt_logprobs:
+                ends = last and h._max_new == 0
+                self._events.append(_PromptScores(scores, h, lp.slot, offset, len(part), ends))
+            if last:
                 self._long = None
-                self._insert(lp.request, lp.slot, lp.caches, logits)
+                if h._max_new > 0:
+                    self._insert(h, lp.slot, lp.caches, logits)
         except Exception as e:
             self._long = None
-            self._request_fault(lp.request, lp.slot, e)
+            self._request_fault(h, lp.slot, e)
 
     def _insert(self, h: RequestHandle, slot: int, row, logits) -> None:
         s = h._sampling
         stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
         stops[0, : len(h._stops)] = h._stops
-        self._state, first = _insert_row(
-            self._state, row, logits, RowSampling.of([s]), np.array([h._max_new], np.int32),
-            stops, np.int32(slot), sampled=s.temperature > 0, mesh=self.mesh,
+        prompted = np.zeros((1, self.params.config.vocab_size), bool)
+        prompted[0, h._prompt] = True
+        self._state, first, scores = _insert_row(
+            self._state, row, logits, RowSampling.of([s]), prompted,
+            np.array([h._max_new], np.int32), stops, np.int32(slot), sampled=s.temperature > 0,
+            mesh=self.mesh,
         )  # fmt: skip
-        first.copy_to_host_async()
-        self._events.append((first, {slot: (h, 0)}))
+        jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
+        self._events.append(_Tokens((first, scores), {slot: (h, 0)}))
         self._prompted += h.prompt_tokens
 
     def _decode_call(self) -> bool:
@@ -891,36 +1060,69 @@ class Engine:
         if not any(h is not None and not h.done for h in live):
             return False
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
+        extras = any(h is not None and h._extras for h in live)
         try:
-            self._state, out = _decode(self.params, self._state, steps=self.decode_steps,
-                                       sampled=sampled)  # fmt: skip
-            out.copy_to_host_async()
+            self._state, out, scores = _decode(self.params, self._state, steps=self.decode_steps,
+                                               sampled=sampled, extras=extras)  # fmt: skip
+            jax.tree.map(lambda x: x.copy_to_host_async(), (out, scores))
         except Exception as e:
             self._state_fault(e)
             return False
-        self._events.append((out, {s: (h, s) for s, h in enumerate(live) if h is not None}))
+        owners = {s: (h, s) for s, h in enumerate(live) if h is not None}
+        self._events.append(_Tokens((out, scores), owners))
         self._decode_calls += 1
         return True
 
     def _drain(self, keep: int) -> None:
         """Reads back all but the `keep` newest device results, in order."""
         while len(self._events) > keep:
-            array, owners = self._events.popleft()
+            event = self._events.popleft()
             try:
-                tokens = np.asarray(array).reshape(len(array), -1)  # [rows, tokens per row]
-            except Exception as e:  # the program failed on the device: the state is lost
-                self._state_fault(e)
+                arrays = jax.tree.map(np.asarray, event.arrays)
+            except Exception as e:  # the program failed on the device
+                if isinstance(event, _PromptScores):  # the request's own chunk
+                    if self._long is not None and self._long.request is event.request:
+                        self._long = None
+                    if not event.request.done:
+                        self._request_fault(event.request, event.slot, e)
+                    continue
+                self._state_fault(e)  # the state is lost
                 return
-            for s, (h, row) in owners.items():
-                for t in tokens[row]:
-                    if h.done or t < 0:
-                        break
-                    self._generated += 1
-                    reason = h._push(int(t))
-                    if reason is not None:
-                        with self._lock:
-                            self._end(h, reason)
-                        self._free(s)
+            if isinstance(event, _PromptScores):
+                self._prompt_scores(event, arrays)
+            else:
+                self._tokens(event, arrays)
+
+    def _tokens(self, event: _Tokens, arrays) -> None:
+        tokens, scores = arrays
+        for s, (h, row) in event.owners.items():
+            for j, t in enumerate(tokens[row]):
+                if h.done or t < 0:
+                    break
+                self._generated += 1
+                k = h._logprobs
+                logprob = None if k is None else _logprob(scores, (row, j), int(t), k)
+                reason = h._push(int(t), logprob)
+                if reason is not None:
+                    with self._lock:
+                        self._end(h, reason)
+                    self._free(s)
+
+    def _prompt_scores(self, event: _PromptScores, scores: TokenLogprobs) -> None:
+        """Row 0's scores of the chunk's positions: position p scores prompt token p + 1."""
+        h = event.request
+        if h.done:
+            return
+        prompt, k = h._prompt, h._logprobs
+        for j in range(event.count):
+            p = event.offset + j
+            if p + 1 < len(prompt):
+                h.prompt_logprobs.append(_logprob(scores, (0, j), int(prompt[p + 1]), k))
+        if event.last:
+            self._prompted += h.prompt_tokens
+            with self._lock:
+                self._end(h, "length")
+            self._free(event.slot)
 
     def _request_fault(self, h: RequestHandle, slot: int, error: BaseException) -> None:
         """A fault in one request's own program (its prefill, a chunk, its insert): that
@@ -947,7 +1149,7 @@ class Engine:
                     if not h.done:
                         self._end(h, "error", error)
                     self._occupant[s] = None
-        self._events = collections.deque()
+        self._events = collections.deque(e for e in self._events if isinstance(e, _PromptScores))
         state, self._state = self._state, None
         for x in jax.tree.leaves(state):
             if not x.is_deleted():

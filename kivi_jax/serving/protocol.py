@@ -3,8 +3,8 @@ server does not know is an error, never ignored), response and stream-chunk bodi
 body `{"error": {"message", "type", "param", "code"}}`.
 
 Requests follow OpenAI's fields and defaults (temperature 1, top_p 1, completions' max_tokens
-16; a field sent as null is a field left out); `top_k` and `stop_token_ids` are extensions as
-vLLM spells them; only n = 1 is served.
+16; a field sent as null is a field left out); `top_k`, `stop_token_ids` and
+`repetition_penalty` are extensions as vLLM spells them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # The most stop strings a request may give (OpenAI's limit).
 MAX_STOP_STRINGS = 4
+# The most alternatives per token: completions' logprobs, chat's top_logprobs (OpenAI's limits).
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
 
 
 class APIError(Exception):
@@ -66,19 +68,18 @@ class _Sampled(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**32)  # None: a fresh random seed
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
-    n: int = 1
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag; accepted, not used
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n = 1 is served, got {n}")
-        return n
-
-    @field_validator("temperature", "top_p", mode="before")
+    @field_validator(
+        "temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+        mode="before",
+    )  # fmt: skip
     @classmethod
     def _finite_number(cls, x):
         return _finite(x)
@@ -104,11 +105,20 @@ class _Sampled(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampled):
-    """POST /v1/completions: `prompt` is text (sent as is, no chat template) or token ids."""
+def _ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
 
-    prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=1)
+
+class CompletionRequest(_Sampled):
+    """POST /v1/completions: `prompt` is text (sent as is, no chat template) or token ids, or a
+    list of either (one choice per prompt, n each). `echo` puts the prompt before each answer
+    (and with `logprobs` the prompt's own logprobs before the answer's); max_tokens 0 is served
+    with echo only."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -118,14 +128,25 @@ class CompletionRequest(_Sampled):
     @field_validator("prompt", mode="before")
     @classmethod
     def _text_or_ids(cls, prompt):
-        ids = isinstance(prompt, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in prompt
-        )
-        if not (isinstance(prompt, str) or ids):
-            raise ValueError(f"must be a string or a list of token ids, got {prompt!r:.80}")
+        many = isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and _ids(p)) for p in prompt
+        )  # fmt: skip
+        if not (isinstance(prompt, str) or _ids(prompt) or many):
+            raise ValueError(
+                f"must be a string, a list of token ids, or a list of either, got {prompt!r:.80}"
+            )
         if prompt == []:
             raise ValueError("the list of token ids is empty")
+        if many and any(p == [] for p in prompt):
+            raise ValueError("a list of token ids is empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several."""
+        if isinstance(self.prompt, str) or _ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -153,6 +174,8 @@ class ChatCompletionRequest(_Sampled):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def answer_limit(self) -> int | None:
@@ -190,38 +213,77 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class Reply:
-    """Builds one request's response or stream chunks (an id and creation time shared by all)."""
+    """Builds one request's response or stream chunks (an id and creation time shared by all).
+    `token_text(id)` is a token's own text (for logprobs)."""
 
-    def __init__(self, *, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, *, chat: bool, model: str, token_text=str):
+        self.chat, self.model, self.token_text = chat, model, token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int):
+    def logprobs(self, entries, top: int, offset: int = 0) -> dict[str, Any] | None:
+        """entries: [(token id, Logprob or None)] -> OpenAI's logprobs object: chat's
+        {"content": [{token, logprob, bytes, top_logprobs: `top` of them}]}, or completions'
+        {tokens, token_logprobs, top_logprobs: {text: logprob} of the `top` most likely and
+        the token itself, text_offset from `offset`} (None where nothing predicts the token:
+        an echoed prompt's first)."""
+        text = self.token_text
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text}
-            head = self._head("text_completion")
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
-        return head | {"choices": [choice], "usage": _usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first=False):
-        """A stream chunk: new text, or (text None) the last chunk with the finish reason."""
+            def one(token, logprob):
+                t = text(token)
+                return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+
+            content = [
+                one(lp.token, lp.logprob)
+                | {"top_logprobs": [one(i, x) for i, x in lp.top[:top]]}
+                for _, lp in entries
+            ]  # fmt: skip
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp in entries:
+            t = text(token)
+            out["tokens"].append(t)
+            out["text_offset"].append(offset)
+            offset += len(t)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(lp.logprob)
+            best = {text(i): x for i, x in lp.top[:top]}
+            out["top_logprobs"].append(best | {t: lp.logprob} if t not in best else best)
+        return out
+
+    def choice(self, index: int, text: str, finish_reason: str, logprobs=None) -> dict[str, Any]:
+        """One choice of a whole response (`logprobs` as `self.logprobs` makes it, or None)."""
+        if self.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": index, "text": text}
+        return choice | {"logprobs": logprobs, "finish_reason": finish_reason}
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int):
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return head | {"choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *,
+              first=False, logprobs=None):  # fmt: skip
+        """A stream chunk of choice `index`: new text, or (text None) its last chunk with the
+        finish reason."""
         if self.chat:
             delta = {} if text is None else {"content": text}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
             head = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
             head = self._head("text_completion")
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         return head | {"choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int):

@@ -63,25 +63,59 @@ log = logging.getLogger("kivi_jax.serving")
 
 
 class _Generation:
-    """One request's tokens turned into text pieces, counted, with its finish reason."""
+    """One choice: its request's tokens turned into text pieces, counted, with its finish
+    reason and (if asked) the logprobs of the tokens shown. With `echo` its first piece is the
+    prompt's text (and its entries the prompt's logprobs, once the engine has them)."""
 
-    def __init__(self, server: _Server, handle, detokenizer: Detokenizer, hidden: set[int]):
+    def __init__(
+        self,
+        server: _Server,
+        handle,
+        detokenizer: Detokenizer,
+        hidden: set[int],
+        *,
+        echo: str | None = None,
+        prompt: list[int] = (),
+        scored: bool = False,
+    ):
         self.server, self.handle, self.hidden = server, handle, hidden
         self.detokenizer = detokenizer
+        self.echo, self.prompt, self.scored = echo, prompt, scored
         self.tokens = 0
+        self.entries: list = []  # (token id, Logprob or None) of the text so far, if scored
+        self.taken = 0  # entries handed to a stream chunk
         self.finish_reason: str | None = None
         self.last_token_time: float | None = None
+
+    def take_entries(self) -> list:
+        """The entries not yet handed out."""
+        new, self.taken = self.entries[self.taken :], len(self.entries)
+        return new
+
+    def _echoed(self) -> str:
+        """The prompt's text, and its entries: logprobs are read once the engine has them
+        (before the first token, or at the end)."""
+        if self.scored:
+            prompt_lps = self.handle.prompt_logprobs
+            self.entries += list(zip(self.prompt, prompt_lps, strict=True))
+        return self.echo
 
     async def pieces(self):
         """Yields the answer's text as it grows; raises APIError if the engine failed or the
         server cancelled the request while stopping."""
+        echo = self.echo is not None
         try:
             async for token in self.handle:
+                if echo:
+                    echo = False
+                    yield self._echoed()
                 self.tokens += 1
                 self.last_token_time = time.perf_counter()
                 self.server.metrics.token()
                 if token in self.hidden:  # EOS or a stop id: the request's last token
                     continue
+                if self.scored:
+                    self.entries.append((token, self.handle.logprobs[self.tokens - 1]))
                 piece = self.detokenizer.add(token)
                 if piece:
                     yield piece
@@ -101,10 +135,16 @@ class _Generation:
                 503, "the server is stopping: the request was cancelled", type="server_error",
                 code="shutdown",
             )  # fmt: skip
+        if echo:
+            yield self._echoed()
         tail = self.detokenizer.flush()
         if tail:
             yield tail
         self.finish_reason = self.handle.finish_reason
+
+    @property
+    def text(self) -> str:
+        return (self.echo or "") + self.detokenizer.text
 
     def record(self) -> None:
         """The outcome and latencies, once the answer is complete."""
@@ -182,7 +222,8 @@ class _Server:
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body exceeds {self.max_body_bytes} bytes")
 
-    def prompt_ids(self, req) -> list[int]:
+    def prompt_ids(self, req) -> list[list[int]]:
+        """The token ids of each prompt (a chat request has one)."""
         tok = self.tokenizer
         if isinstance(req, ChatCompletionRequest):
             messages = [
@@ -193,20 +234,23 @@ class _Server:
                 text = tok.apply_chat_template(messages)
             except Exception as e:  # no template, or the template refused the messages
                 raise APIError(400, f"messages: {e}", param="messages") from None
-            ids = tok.encode(text)
-        elif isinstance(req.prompt, str):
-            try:
-                check_prompt(req.prompt)
-            except ValueError as e:
-                raise APIError(400, f"prompt: {e}", param="prompt") from None
-            ids = tok.encode(req.prompt)
+            prompts = [tok.encode(text)]
         else:
-            ids = list(req.prompt)
-        if not ids:
-            raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
-        self._check_ids(ids, "prompt")
+            prompts = []
+            for prompt in req.prompts:
+                if isinstance(prompt, str):
+                    try:
+                        check_prompt(prompt)
+                    except ValueError as e:
+                        raise APIError(400, f"prompt: {e}", param="prompt") from None
+                    prompt = tok.encode(prompt)
+                prompts.append(list(prompt))
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
+            self._check_ids(ids, "prompt")
         self._check_ids(req.stop_token_ids, "stop_token_ids")
-        return ids
+        return prompts
 
     def _check_ids(self, ids, param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -217,8 +261,9 @@ class _Server:
                 param=param,
             )  # fmt: skip
 
-    def submit(self, req, ids: list[int]):
-        """Checks lengths and sampling, then queues the request; the engine's handle."""
+    def submit(self, req, prompts: list[list[int]]) -> list:
+        """Checks lengths, sampling and choices, then queues n requests per prompt; their
+        handles, choice by choice (prompt by prompt, n each)."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(
                 404, f"model {req.model!r} is not served here; this server serves "
@@ -229,24 +274,40 @@ class _Server:
             raise APIError(
                 400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"
             )
-        limit = req.answer_limit if chat else req.max_tokens
-        if limit is None and len(ids) >= self.max_len:  # a chat answer fills what is left
+        if chat and req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        if not chat and req.max_tokens == 0 and not req.echo:
             raise APIError(
-                400, f"the prompt ({len(ids)} tokens) leaves no room for an answer in the "
+                400, "max_tokens: 0 is served with echo only (the prompt, and with logprobs its "
+                "logprobs); otherwise at least 1", param="max_tokens",
+            )  # fmt: skip
+        choices, slots = len(prompts) * req.n, self.engine.slots
+        if choices > slots:
+            raise APIError(
+                400, f"n: {len(prompts)} prompt(s) x n = {req.n} is {choices} choices, more than "
+                f"the {slots} requests this server decodes at once", param="n",
+            )  # fmt: skip
+        limit = req.answer_limit if chat else req.max_tokens
+        n = max(len(ids) for ids in prompts)  # the longest prompt
+        if limit is None and n >= self.max_len:  # a chat answer fills what is left
+            raise APIError(
+                400, f"the prompt ({n} tokens) leaves no room for an answer in the "
                 f"context of {self.max_len} tokens", param="messages",
                 code="context_length_exceeded",
             )  # fmt: skip
-        max_tokens = self.max_len - len(ids) if limit is None else limit
-        if len(ids) + max_tokens > self.max_len:
+        tokens = self.max_len - n if limit is None else limit
+        if n + tokens > self.max_len:
             raise APIError(
-                400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                400, f"the prompt ({n} tokens) + max_tokens ({tokens}) exceeds the "
                 f"context of {self.max_len} tokens", param="max_tokens",
                 code="context_length_exceeded",
             )  # fmt: skip
+        if chat:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        prompt_logprobs = not chat and req.echo and logprobs is not None
         seed = secrets.randbelow(2**31) if req.seed is None else req.seed
-        sampling = Sampling(
-            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed
-        )
         if self.stopping:
             raise APIError(503, "the server is stopping", type="server_error", code="shutdown")
         if self.failure is not None:
@@ -259,83 +320,161 @@ class _Server:
                 503, "the server is still compiling its programs", type="server_error",
                 code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
+        handles = []
         try:
-            return self.engine.submit(
-                ids, sampling=sampling, max_new_tokens=max_tokens, stop_ids=req.stop_token_ids
-            )
-        except QueueFullError as e:
-            raise APIError(
-                429, f"the queue is full: {e}", type="rate_limit_error", code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None  # fmt: skip
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+            for ids in prompts:
+                for j in range(req.n):  # choice j samples with seed + j
+                    sampling = Sampling(
+                        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                        seed=(seed + j) % 2**32, frequency_penalty=req.frequency_penalty,
+                        presence_penalty=req.presence_penalty,
+                        repetition_penalty=req.repetition_penalty,
+                    )  # fmt: skip
+                    handles.append(self.engine.submit(
+                        ids, sampling=sampling,
+                        max_new_tokens=self.max_len - len(ids) if limit is None else limit,
+                        stop_ids=req.stop_token_ids, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
+                    ))  # fmt: skip
+        except Exception as e:
+            for h in handles:  # all of the request's choices, or none
+                self.engine.cancel(h)
+            if isinstance(e, QueueFullError):
+                raise APIError(
+                    429, f"the queue is full: {e}", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                ) from None  # fmt: skip
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            raise
+        return handles
 
     async def answer(self, request: Request, chat: bool):
         req = parse(ChatCompletionRequest if chat else CompletionRequest, await self.body(request))
-        ids = await asyncio.to_thread(self.prompt_ids, req)  # the tokenizer, off the loop
-        handle = self.submit(req, ids)
+        prompts = await asyncio.to_thread(self.prompt_ids, req)  # the tokenizer, off the loop
+        handles = self.submit(req, prompts)
         hidden = set(req.stop_token_ids)
         if self.tokenizer.eos_id is not None:
             hidden.add(self.tokenizer.eos_id)
-        gen = _Generation(self, handle, Detokenizer(self.tokenizer, req.stop_strings), hidden)
-        reply = Reply(chat=chat, model=self.model_name)
+        echo = not chat and req.echo
+        top = (req.top_logprobs or 0) if chat else req.logprobs
+        scored = (req.logprobs if chat else req.logprobs is not None) or False
+        texts = [None] * len(prompts)
+        if echo:
+            texts = [self._prompt_text(p, ids) for p, ids in zip(req.prompts, prompts, strict=True)]
+        gens = [
+            _Generation(self, h, Detokenizer(self.tokenizer, req.stop_strings), hidden,
+                        echo=texts[i // req.n], prompt=prompts[i // req.n], scored=scored)
+            for i, h in enumerate(handles)
+        ]  # fmt: skip
+        token_text = lambda i: self.tokenizer.decode([i], skip_special_tokens=False)
+        reply = Reply(chat=chat, model=self.model_name, token_text=token_text)
+        prompt_tokens = sum(map(len, prompts))
         if req.stream:
             return StreamingResponse(
-                self._events(gen, reply, len(ids), req.include_usage),
+                self._events(gens, reply, prompt_tokens, req.include_usage, top, scored),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await self._whole(request, gen, reply, len(ids))
+        return await self._whole(request, gens, reply, prompt_tokens, top, scored)
 
-    async def _whole(self, request: Request, gen: _Generation, reply: Reply, prompt_tokens: int):
-        """The answer in one body; a client that leaves first cancels the request."""
+    def _prompt_text(self, prompt, ids: list[int]) -> str:
+        """An echoed prompt: the text as sent, or its token ids' text."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
-        async def collect():
+    def _cancel(self, gens) -> None:
+        for gen in gens:
+            self.engine.cancel(gen.handle)
+
+    async def _whole(self, request: Request, gens, reply: Reply, prompt_tokens: int, top, scored):
+        """The answer in one body; a client that leaves first cancels the requests."""
+
+        async def collect(gen):
             async for _ in gen.pieces():
                 pass
 
-        work = asyncio.ensure_future(collect())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(g) for g in gens)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # uvicorn gave up on the request (shutdown timeout)
-            self.engine.cancel(gen.handle)
+            self._cancel(gens)
             gone.cancel()
             raise
         if not work.done():
-            self.engine.cancel(gen.handle)
+            self._cancel(gens)
             self.metrics.outcome("disconnected")
             with contextlib.suppress(Exception):
                 await work
             return Response(status_code=499)  # nobody reads it
         gone.cancel()
-        work.result()  # raises the APIError of a failed request
-        gen.record()
-        text = gen.detokenizer.text
-        return JSONResponse(reply.full(text, gen.finish_reason, prompt_tokens, gen.tokens))
+        if work.exception() is not None:
+            self._cancel(gens)
+            work.result()  # raises the APIError of a failed request
+        choices = []
+        for i, gen in enumerate(gens):
+            gen.record()
+            logprobs = reply.logprobs(gen.entries, top) if scored else None
+            choices.append(reply.choice(i, gen.text, gen.finish_reason, logprobs))
+        completion_tokens = sum(gen.tokens for gen in gens)
+        return JSONResponse(reply.full(choices, prompt_tokens, completion_tokens))
 
-    async def _events(self, gen: _Generation, reply: Reply, prompt_tokens: int, usage: bool):
-        """Server-sent events: OpenAI's chunks, then `data: [DONE]`. A client that leaves
-        cancels this generator (Starlette watches the connection), which cancels the request."""
+    async def _events(self, gens, reply: Reply, prompt_tokens: int, usage: bool, top, scored):
+        """Server-sent events: OpenAI's chunks of every choice as each grows (`index` naming
+        it), each choice's last chunk with its finish reason, then `data: [DONE]`. A client
+        that leaves cancels this generator (Starlette watches the connection), which cancels
+        the requests."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(i, gen):
+            try:
+                async for piece in gen.pieces():
+                    await queue.put((i, piece, None))
+                await queue.put((i, None, None))
+            except Exception as e:
+                await queue.put((i, None, e))
+
+        tasks = [asyncio.ensure_future(run(i, gen)) for i, gen in enumerate(gens)]
+        offsets = [0] * len(gens)  # text sent per choice (completions' text_offset)
+
+        def chunk(i, text, finish_reason=None):
+            logprobs = None
+            if scored:
+                logprobs = reply.logprobs(gens[i].take_entries(), top, offsets[i])
+            offsets[i] += len(text or "")
+            return _sse(reply.chunk(i, text, finish_reason, logprobs=logprobs))
+
         finished = False
         try:
             if reply.chat:
-                yield _sse(reply.chunk("", first=True))
-            async for piece in gen.pieces():
-                yield _sse(reply.chunk(piece))
-            yield _sse(reply.chunk(None, gen.finish_reason))
+                for i in range(len(gens)):
+                    yield _sse(reply.chunk(i, "", first=True))
+            left = len(gens)
+            while left:
+                i, piece, error = await queue.get()
+                if error is not None:
+                    raise error
+                if piece is None:
+                    left -= 1
+                    yield chunk(i, None, gens[i].finish_reason)
+                else:
+                    yield chunk(i, piece)
             if usage:
-                yield _sse(reply.usage_chunk(prompt_tokens, gen.tokens))
-            gen.record()
+                completion_tokens = sum(gen.tokens for gen in gens)
+                yield _sse(reply.usage_chunk(prompt_tokens, completion_tokens))
+            for gen in gens:
+                gen.record()
             finished = True
         except APIError as e:  # the stream has begun: the error goes as an event
+            self._cancel(gens)
             self.metrics.outcome("error" if e.status == 500 else "shutdown")
             finished = True
             yield _sse(e.body())
         finally:
+            for task in tasks:
+                task.cancel()
             if not finished:  # the client went away
-                self.engine.cancel(gen.handle)
+                self._cancel(gens)
                 self.metrics.outcome("disconnected")
         yield "data: [DONE]\n\n"
 
