@@ -23,6 +23,12 @@ vpb = 8 // v_bits codes per byte (bit order: kivi_jax.quantization):
     overflow   bool  [B]                   a write under jit would have exceeded max_len,
                                            or prefill's lengths lay outside [0, seq]
 
+`dtype` above is the cache dtype unless the config stores a part in 8 bits (KiviConfig's
+k_scale_format, v_scale_format, residual_format: config.Format): the key or value scales and
+zeros, or the rings (and a mixed state's sinks and heavy tokens), are then float8 arrays; a
+float8 residual rounds every token to it as it enters (`entering_tokens`), so the groups are
+quantized from the rounded tokens (docs/design.md, "Storage formats").
+
 For a sequence of length l (KIVI.md, Algorithm 1), attention reads
 
     keys   [0, Qk) quantized per channel, Qk = l - l % R;   keys   [Qk, l) from k_residual
