@@ -33,7 +33,7 @@ from kivi_jax.cache import (
     init_cache,
     prefill,
 )
-from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig, Selection
+from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, Format, KiviConfig, Selection
 from kivi_jax.generate import TokenStream, generate, generate_text
 from kivi_jax.loading import Model, ModelLoadError, Tokenizer, load_model, save_model
 from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
@@ -61,8 +61,10 @@ __version__ = _package_version()
 
 __all__ = [
     "KIVI2",
+    "KIVI2_LEAN",
     "KIVI2_MIX",
     "KIVI4",
+    "Format",
     "FullCache",
     "HeldBits",
     "KiviCache",

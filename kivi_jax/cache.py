@@ -23,6 +23,12 @@ vpb = 8 // v_bits codes per byte (bit order: kivi_jax.quantization):
     overflow   bool  [B]                   a write under jit would have exceeded max_len,
                                            or prefill's lengths lay outside [0, seq]
 
+`dtype` above is the cache dtype unless the config stores a part in 8 bits (KiviConfig's
+k_scale_format, v_scale_format, residual_format: config.Format): the key or value scales and
+zeros, or the rings (and a mixed state's sinks and heavy tokens), are then float8 arrays; a
+float8 residual rounds every token to it as it enters (`entering_tokens`), so the groups are
+quantized from the rounded tokens (docs/design.md, "Storage formats").
+
 For a sequence of length l (KIVI.md, Algorithm 1), attention reads
 
     keys   [0, Qk) quantized per channel, Qk = l - l % R;   keys   [Qk, l) from k_residual
@@ -159,12 +165,13 @@ _KIVI_ARRAYS = (
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[*_KIVI_ARRAYS, "lengths", "overflow", "side"],
-    meta_fields=["config", "max_len"],
+    meta_fields=["config", "max_len", "dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class KiviCache:
     """KIVI quantized KV state of one layer; layout: module doc. `side` is None for a plain
-    config and the MixedState of a mixed-precision one."""
+    config and the MixedState of a mixed-precision one. `dtype` is the cache dtype (init_cache's),
+    in which tokens enter and the parts in Format.CACHE are stored."""
 
     k_codes: jax.Array
     k_scale: jax.Array
@@ -178,11 +185,8 @@ class KiviCache:
     overflow: jax.Array
     config: KiviConfig
     max_len: int
+    dtype: jnp.dtype
     side: MixedState | None = None
-
-    @property
-    def dtype(self):
-        return self.k_residual.dtype
 
     @property
     def head_dim(self) -> int:
@@ -309,18 +313,21 @@ def init_cache(
         cap = _round_up(max_len, g)
         kpb = quantization.codes_per_byte(config.k_bits)
         vpb = quantization.codes_per_byte(config.v_bits)
+        k_params = config.k_scale_format.dtype(dtype)
+        v_params = config.v_scale_format.dtype(dtype)
+        ring = config.residual_format.dtype(dtype)
         shapes = dict(
             k_codes=((*lead, cap // kpb, head_dim), jnp.uint8),
-            k_scale=((*lead, cap // g, head_dim), dtype),
-            k_zero=((*lead, cap // g, head_dim), dtype),
+            k_scale=((*lead, cap // g, head_dim), k_params),
+            k_zero=((*lead, cap // g, head_dim), k_params),
             v_codes=((*lead, cap, head_dim // vpb), jnp.uint8),
-            v_scale=((*lead, cap, head_dim // g), dtype),
-            v_zero=((*lead, cap, head_dim // g), dtype),
-            k_residual=((*lead, r, head_dim), dtype),
-            v_residual=((*lead, r, head_dim), dtype),
+            v_scale=((*lead, cap, head_dim // g), v_params),
+            v_zero=((*lead, cap, head_dim // g), v_params),
+            k_residual=((*lead, r, head_dim), ring),
+            v_residual=((*lead, r, head_dim), ring),
         )
     shapes.update(lengths=((batch,), jnp.int32), overflow=((batch,), jnp.bool_))
-    side_shapes = {} if config is None else _side_shapes(config, lead, cap, head_dim, dtype)
+    side_shapes = {} if config is None else _side_shapes(config, lead, cap, head_dim, ring)
 
     def one():
         arrays = {name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()}
@@ -334,13 +341,14 @@ def init_cache(
                 for name, spec in side_shapes.items()
             }
             side = MixedState(**parts)
-        return KiviCache(**arrays, config=config, max_len=max_len, side=side)
+        return KiviCache(**arrays, config=config, max_len=max_len, dtype=dtype, side=side)
 
     return one() if num_layers is None else tuple(one() for _ in range(num_layers))
 
 
 def _side_shapes(config: KiviConfig, lead, cap: int, head_dim: int, dtype) -> dict:
-    """{MixedState field: (shape, dtype) or None where that part has size 0}."""
+    """{MixedState field: (shape, dtype) or None where that part has size 0}; the sinks and
+    heavy tokens in `dtype`, the rings' (they hold tokens as the rings do)."""
     s, f, n = config.sinks, config.fine_key_channels, config.heavy_tokens
     if f and head_dim > 256:
         raise ValueError(f"fine_key_channels needs head_dim <= 256 (uint8 indices), got {head_dim}")
@@ -541,7 +549,10 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
     old = cache.lengths
     fits = jnp.minimum(counts, cache.max_len - old)
     new = old + fits
-    k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+    if isinstance(cache, KiviCache):
+        k, v = (entering_tokens(cache.config, x, cache.dtype) for x in (k, v))
+    else:
+        k, v = k.astype(cache.dtype), v.astype(cache.dtype)
     if isinstance(cache, FullCache):
         pos = old[:, None] + jnp.arange(k.shape[1])  # [B, S]
         pos = _drop_unless(pos < new[:, None], pos)
@@ -557,6 +568,17 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
     )
 
 
+def entering_tokens(cfg: KiviConfig, x: jax.Array, dtype) -> jax.Array:
+    """Keys or values as a KIVI cache of `dtype` takes them in: cast to `dtype`, and rounded to
+    the residual format where it is a float8 one (config.Format; exact in `dtype`, decoded from
+    the float8 bits so that no compiler folds the round trip away)."""
+    ring = cfg.residual_format.dtype(dtype)
+    x = x.astype(dtype)
+    if not quantization.is_float8(ring):
+        return x
+    return quantization.as_float32(quantization.round_to_float8(x, ring)).astype(dtype)
+
+
 # A decode step's append on a GPU: one Pallas kernel per layer (pallas_kernels/append/gpu.py)
 # in place of ~11 XLA kernels; the XLA append stays the reference and the path elsewhere.
 _APPEND_FIELDS = (
@@ -565,11 +587,13 @@ _APPEND_FIELDS = (
 
 
 def _append_kernel_supports(cache: KiviCache) -> bool:
-    """Plain KIVI (no mixed state), 2/4-bit codes, power-of-two head_dim, G and R."""
+    """Plain KIVI (no mixed state, every float in the cache dtype), 2/4-bit codes, power-of-two
+    head_dim, G and R."""
     cfg, d = cache.config, cache.head_dim
     pow2 = lambda x: (x & (x - 1)) == 0
     return (
         cache.side is None
+        and cfg.plain_formats
         and cfg.k_bits in (2, 4)
         and cfg.v_bits in (2, 4)
         and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
@@ -625,12 +649,12 @@ def _ring_step(ring, new, windows, old, keep):
     [start, start + width) (those below `old` from the ring, the rest from the new tokens) and
     writes the new tokens where `keep`, reading the ring once.
 
-    ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...), windows a list of
-    (start [B], width, aligned), old [B], keep [B, S] -> ([window [B, H, width, D], ...], the
-    updated ring). `aligned`: every start is a multiple of width, width divides R and the
-    window holds the new tokens; an aligned window alone is read as one slice per row (with
-    several windows, all are gathered in one read). Window tokens below 0 read whatever their
-    slot holds (the caller masks them).
+    ring [B, H, R, D], new [B, H, S, D] (tokens old, old + 1, ...; exact in the ring's dtype),
+    windows a list of (start [B], width, aligned), old [B], keep [B, S] -> ([window [B, H,
+    width, D] in new's dtype, ...], the updated ring). `aligned`: every start is a multiple
+    of width, width divides R and the window holds the new tokens; an aligned window alone
+    is read as one slice per row (with several windows, all are gathered in one read). Window
+    tokens below 0 read whatever their slot holds (the caller masks them).
     """
     r = ring.shape[2]
     js = [start[:, None] + jnp.arange(width) for start, width, _ in windows]  # [B, width]
@@ -653,10 +677,12 @@ def _ring_step(ring, new, windows, old, keep):
     outs = []
     for win, j in zip(raw, js, strict=True):
         from_new = _gather(new, jnp.clip(j - old[:, None], 0, new.shape[2] - 1))
-        outs.append(jnp.where((j < old[:, None])[:, None, :, None], win, from_new))
+        outs.append(
+            jnp.where((j < old[:, None])[:, None, :, None], win.astype(new.dtype), from_new)
+        )
     # The written values depend on the one read (a slot not written keeps its old contents),
     # so XLA orders the read first and updates the ring in place instead of copying it.
-    values = jnp.where(keep[:, None, :, None], new, previous)
+    values = jnp.where(keep[:, None, :, None], new.astype(ring.dtype), previous)
     return outs, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
 
 
@@ -682,13 +708,15 @@ def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
 
 
 def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
-    """Key groups of a window win [B, H, W, D] (tokens g0 + j, groups aligned to g0).
+    """Key groups of a window win [B, H, W, D] (tokens g0 + j, groups aligned to g0) of a cache
+    of `dtype` (the scales and zeros in the keys' scale format).
 
     Returns (codes [B, H, W, D] uint8 unpacked, scale, zero [B, H, W // G, D], fine_lo
     [B, H, W, F] uint8 or None, fine_channels [B, H, W // G, F] uint8 or None): plain KIVI
     group quantization, with the mixed layout's sinks and fine channels (module doc).
     """
     b, g, f = cfg.k_bits, cfg.group_size, cfg.fine_key_channels
+    dtype = cfg.k_scale_format.dtype(dtype)  # the key scales' and zeros'
     w = win.shape[2]
     if cfg.sinks:  # the sinks take token S's key: the first group's range is over [S, G)
         j = jnp.arange(w)
@@ -704,7 +732,12 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     is_fine = _put_channels(jnp.ones(channels.shape, bool), channels, win.shape[3])
     per_token = lambda x: jnp.repeat(x, g, axis=2)
     codes = jnp.where(per_token(is_fine), fine >> b, codes)
-    scale = jnp.where(is_fine, fine_scale * (1 << b), scale)  # exact: a power of two
+    if quantization.is_float8(dtype):  # exact below the format's largest value, saturated there
+        top = float(jnp.finfo(dtype).max)
+        coarse = jnp.minimum(quantization.as_float32(fine_scale) * (1 << b), top).astype(dtype)
+    else:
+        coarse = fine_scale * (1 << b)  # exact: a power of two
+    scale = jnp.where(is_fine, coarse, scale)
     lo = jnp.take_along_axis(fine & ((1 << b) - 1), per_token(channels), axis=3)
     return codes, scale, zero, lo, channels.astype(jnp.uint8)
 
@@ -861,7 +894,8 @@ def _extend_kivi(
     # Values leaving the window, read from the ring before the new tokens take their slots,
     # then from the new tokens.
     (v_win,), v_ring = _ring_step(cache.v_residual, v, [(p0, seq, False)], old, keep)
-    codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=dtype)
+    v_params = cfg.v_scale_format.dtype(dtype)
+    codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=v_params)
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
     pos = p0[:, None] + jnp.arange(seq)
     out = _drop_unless(pos < p1[:, None], pos)
@@ -883,8 +917,8 @@ def _extend_kivi(
     if cfg.sinks:  # the new tokens below S, at slot t
         at = _drop_unless((t < cfg.sinks) & (t < new[:, None]), t)
         parts |= dict(
-            sink_k=_scatter(side.sink_k, at, k.astype(dtype), axis=2),
-            sink_v=_scatter(side.sink_v, at, v.astype(dtype), axis=2),
+            sink_k=_scatter(side.sink_k, at, k.astype(side.sink_k.dtype), axis=2),
+            sink_v=_scatter(side.sink_v, at, v.astype(side.sink_v.dtype), axis=2),
         )
     if fine_lo is not None:
         parts |= dict(

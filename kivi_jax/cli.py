@@ -13,7 +13,7 @@ import time
 
 from kivi_jax.weights import add_weights_argument
 
-KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix")
+KV_CHOICES = ("full", "kivi2", "kivi4", "kivi2-mix", "kivi2-lean")  # kivi_jax.generate.KV_PRESETS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache: full precision, or KIVI with 2-bit or 4-bit keys and values (groups of "
         "32, the last 128 tokens in full precision), or kivi2-mix: KIVI-2 that keeps the first "
         "tokens and the worst-quantized ones in full precision and its widest key channels at "
-        "4 bits (default: kivi2)",
+        "4 bits, or kivi2-lean: kivi2-mix in under 3 bits per value (8-bit scales, zero points "
+        "and full-precision window) (default: kivi2)",
     )
     p.add_argument(
         "--model",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -27,6 +28,27 @@ class Selection(enum.Enum):
 
     MASS = "mass"
     ERROR = "error"
+
+
+class Format(enum.Enum):
+    """How a part of the cache stores its floats (scales and zero points, or the tokens kept
+    in full precision): in the cache dtype, or in 8 bits (kivi_jax.quantization has the
+    rounding rules).
+
+    CACHE: the cache dtype (init_cache's `dtype`: float32, bfloat16 or float16).
+    E4M3: float8_e4m3fn (3 mantissa bits, finite range +-448, subnormals down to 2^-9).
+    E5M2: float8_e5m2 (2 mantissa bits, finite range +-57344, subnormals down to 2^-16).
+    """
+
+    CACHE = "cache"
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    def dtype(self, cache_dtype) -> jnp.dtype:
+        """The dtype this format stores in, for a cache of `cache_dtype`."""
+        if self is Format.CACHE:
+            return jnp.dtype(cache_dtype)
+        return jnp.dtype(jnp.float8_e4m3fn if self is Format.E4M3 else jnp.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +85,9 @@ class KiviConfig:
     fine_key_channels: int = 0
     heavy_tokens: int = 0
     selection: Selection = Selection.MASS
+    k_scale_format: Format = Format.CACHE
+    v_scale_format: Format = Format.CACHE
+    residual_format: Format = Format.CACHE
 
     @property
     def mixed(self) -> bool:
@@ -113,6 +138,15 @@ class KiviConfig:
             raise ValueError(f"KiviConfig.sliding_keys must be a bool, got {self.sliding_keys!r}")
         if not isinstance(self.selection, Selection):
             raise ValueError(f"KiviConfig.selection must be a Selection, got {self.selection!r}")
+        for name in ("k_scale_format", "v_scale_format", "residual_format"):
+            if not isinstance(getattr(self, name), Format):
+                raise ValueError(f"KiviConfig.{name} must be a Format, got {getattr(self, name)!r}")
+
+    @property
+    def plain_formats(self) -> bool:
+        """Whether every float is stored in the cache dtype (no Format other than CACHE)."""
+        formats = (self.k_scale_format, self.v_scale_format, self.residual_format)
+        return all(f is Format.CACHE for f in formats)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError unless group_size divides head_dim (value groups span channels)."""
@@ -138,4 +172,14 @@ KIVI2_MIX = KiviConfig(
     fine_key_channels=16,
     heavy_tokens=32,
     selection=Selection.ERROR,
+)
+# KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value"):
+# kivi2-mix's parts with float8 (e4m3) scales and zeros, an e4m3 residual (rings, sinks and
+# heavy tokens) and 16 heavy tokens.
+KIVI2_LEAN = dataclasses.replace(
+    KIVI2_MIX,
+    heavy_tokens=16,
+    k_scale_format=Format.E4M3,
+    v_scale_format=Format.E4M3,
+    residual_format=Format.E4M3,
 )

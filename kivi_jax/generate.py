@@ -28,7 +28,7 @@ import numpy as np
 
 from kivi_jax import sharding
 from kivi_jax.cache import init_cache
-from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig
+from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, KiviConfig
 from kivi_jax.memory import memory_report
 from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
@@ -38,6 +38,7 @@ KV_PRESETS: dict[str, KiviConfig | None] = {
     "kivi2": KIVI2,
     "kivi4": KIVI4,
     "kivi2-mix": KIVI2_MIX,
+    "kivi2-lean": KIVI2_LEAN,
 }
 PROMPT_BUCKET = 64  # prompt widths are rounded up to a multiple of this (fewer recompilations)
 # Decode steps between two checks of whether the loop is done, and max_new_tokens' bucket. On a
@@ -67,8 +68,8 @@ def auto_prefill_rows(params: LlamaParams, cache, width: int) -> int:
 
 
 def resolve_kv(kv: str | KiviConfig | None) -> KiviConfig | None:
-    """'full' -> None (the unquantized cache), 'kivi2'/'kivi4'/'kivi2-mix' -> presets, a
-    KiviConfig as is."""
+    """'full' -> None (the unquantized cache), 'kivi2'/'kivi4'/'kivi2-mix'/'kivi2-lean' ->
+    presets, a KiviConfig as is."""
     if isinstance(kv, KiviConfig):
         return kv
     if isinstance(kv, str) and kv in KV_PRESETS:
@@ -460,7 +461,8 @@ def generate(
       params: model weights (their static config gives shapes, context and vocabulary).
       tokens: int [batch, seq] prompts; with `lengths`, right-padded.
       kv: "full" (unquantized cache in the params dtype), "kivi2", "kivi4", "kivi2-mix" (KIVI-2
-        with mixed precision, kivi_jax.KIVI2_MIX) or a KiviConfig.
+        with mixed precision, kivi_jax.KIVI2_MIX), "kivi2-lean" (kivi_jax.KIVI2_LEAN) or a
+        KiviConfig.
       max_new_tokens: N, tokens generated per sequence (prompt + N must fit the context).
       temperature, top_k, top_p: sampling (temperature 0: greedy); traced, so a new value
         compiles nothing.

@@ -92,7 +92,9 @@ class HeldBits:
     quantized while l < R. side_bits is a mixed-precision cache's side storage for these tokens:
     the fine key channels' low planes and channel indices, the sinks, the filled heavy slots
     (key, value, int32 position, float32 score) and, with Selection.MASS, a float32 score per
-    token in the window.
+    token in the window. Scales and zeros, the window, the sinks and the heavy tokens count
+    the bits of their storage format (KiviConfig's *_format: the dtype's, or 8 for float8);
+    dtype_bits is the cache dtype's.
     """
 
     length: int
@@ -150,18 +152,23 @@ def held_bits(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     w = jnp.dtype(dtype).itemsize * 8
     side = 0
+    kw = vw = rw = w  # bits of a key scale or zero, of a value one, of a full-precision token
     if config is None:
         qk = pv = 0
         k_bits = v_bits = g = 1
     else:
+        kw, vw, rw = (
+            jnp.dtype(f.dtype(dtype)).itemsize * 8
+            for f in (config.k_scale_format, config.v_scale_format, config.residual_format)
+        )
         g, r = config.group_size, config.residual_length
         pv = max(length - r, 0)
         qk = pv if config.sliding_keys else length - length % r
         k_bits, v_bits = config.k_bits, config.v_bits
         f, n, s = config.fine_key_channels, config.heavy_tokens, config.sinks
         side += qk * f * k_bits + 8 * f * qk // g  # low planes, channel indices
-        side += min(length, s) * 2 * head_dim * w
-        side += min(n, max(pv - s, 0)) * (2 * head_dim * w + 64)
+        side += min(length, s) * 2 * head_dim * rw
+        side += min(n, max(pv - s, 0)) * (2 * head_dim * rw + 64)
         side += 32 * min(length, r) if config.needs_queries else 0
     return HeldBits(
         length=length,
@@ -170,7 +177,7 @@ def held_bits(
         head_dim=head_dim,
         dtype_bits=w,
         code_bits=(qk * k_bits + pv * v_bits) * head_dim,
-        scale_zero_bits=2 * w * (qk + pv) * head_dim // g,
-        residual_bits=((length - qk) + (length - pv)) * head_dim * w,
+        scale_zero_bits=2 * (kw * qk + vw * pv) * head_dim // g,
+        residual_bits=((length - qk) + (length - pv)) * head_dim * rw,
         side_bits=side,
     )

@@ -4,9 +4,13 @@ A group of values X is stored as codes q in [0, 2^B - 1] with a scale s and a ze
 
     z = min(X),  s >= (max(X) - min(X)) / (2^B - 1),  q = round((X - z) / s),  X ~= q * s + z.
 
-s and z are stored in the cache dtype. z is the group minimum, which is exact because X is already
-in that dtype; s is rounded *up* to the dtype, so z + (2^B - 1) * s covers max(X) and every member
-is within s / 2 of its reconstruction. A constant group has s = 0 and reconstructs exactly as z.
+s and z are stored in the cache dtype or in a float8 dtype (kivi_jax.config.Format). In the cache
+dtype z is the group minimum, which is exact because X is already in that dtype; in float8, z is
+the minimum rounded *down* to it. s is rounded *up* to its dtype from (max(X) - z) / (2^B - 1), so
+z + (2^B - 1) * s covers max(X) and every member is within s / 2 of its reconstruction. A
+constant group has s = 0 and reconstructs exactly as z where z is exact (the cache dtype).
+In float8 the zero is first saturated at +-the format's largest value and the scale at it:
+finite groups beyond the format's range get finite, inaccurate parameters.
 A group with a non-finite member (NaN, +-inf) stores s = z = NaN and codes 0: all its members
 dequantize to NaN. Finite groups anywhere in float32's range get finite s, z and reconstructions
 (spans and products beyond the range are taken halved; docs/design.md, "Non-finite and extreme
@@ -24,7 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def is_float8(dtype) -> bool:
+    return jnp.dtype(dtype) in FLOAT8_DTYPES
 
 
 def codes_per_byte(bits: int) -> int:
@@ -65,8 +74,18 @@ def as_float32(y: jax.Array) -> jax.Array:
     `y.astype(float32)` may not be y; quantization must compute with the s and z it stores."""
     if y.dtype == jnp.float32:
         return y
+    if y.dtype == jnp.float8_e5m2:  # float16's top byte
+        b8 = lax.bitcast_convert_type(y, jnp.uint8).astype(jnp.uint16)
+        return as_float32(lax.bitcast_convert_type(b8 << 8, jnp.float16))
+    if y.dtype == jnp.float8_e4m3fn:
+        b = lax.bitcast_convert_type(y, jnp.uint8).astype(jnp.uint32)
+        sign, exp, mant = (b >> 7) << 31, (b >> 3) & 0xF, b & 0x7
+        normal = lax.bitcast_convert_type(sign | ((exp + 120) << 23) | (mant << 20), jnp.float32)
+        subnormal = mant.astype(jnp.float32) * 2.0**-9  # exact
+        value = jnp.where(exp == 0, jnp.where(sign > 0, -subnormal, subnormal), normal)
+        return jnp.where((b & 0x7F) == 0x7F, jnp.nan, value)  # e4m3fn: NaN, no inf
     if y.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"as_float32 takes float32, bfloat16 or float16, got {y.dtype}")
+        raise TypeError(f"as_float32 takes float32, bfloat16, float16 or float8, got {y.dtype}")
     b = lax.bitcast_convert_type(y, jnp.uint16).astype(jnp.uint32)
     if y.dtype == jnp.bfloat16:
         return lax.bitcast_convert_type(b << 16, jnp.float32)
@@ -81,13 +100,36 @@ def as_float32(y: jax.Array) -> jax.Array:
 
 
 def round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
-    """Non-negative float32 x cast to `dtype`, rounded towards +inf (never below x)."""
+    """Non-negative float32 x cast to `dtype`, rounded towards +inf (never below x; a float8
+    dtype saturates at its largest value)."""
+    if is_float8(dtype):
+        x = jnp.minimum(x, float(jnp.finfo(dtype).max))
     y = x.astype(dtype)
     if jnp.dtype(dtype) == jnp.float32:
         return y
     uint = _UINT_OF_WIDTH[jnp.dtype(dtype).itemsize]
     bumped = lax.bitcast_convert_type(lax.bitcast_convert_type(y, uint) + uint(1), dtype)
     return jnp.where(as_float32(y) < x, bumped, y)
+
+
+def round_down_to_float8(x: jax.Array, dtype) -> jax.Array:
+    """Finite float32 x with |x| <= the float8 `dtype`'s largest value, cast to it rounded
+    towards -inf (never above x)."""
+    y = x.astype(dtype)
+    yf, b = as_float32(y), lax.bitcast_convert_type(y, jnp.uint8)
+    # One step towards -inf: magnitude down for y > 0, up for y < 0, the negative subnormal
+    # nearest 0 for y = +-0.
+    down = jnp.where(yf > 0, b - 1, jnp.where(yf < 0, b + 1, jnp.uint8(0x81)))
+    return jnp.where(yf > x, lax.bitcast_convert_type(down, dtype), y)
+
+
+def round_to_float8(x: jax.Array, dtype) -> jax.Array:
+    """x (any float dtype) rounded to the float8 `dtype` (to nearest), finite values saturated
+    at its largest value (a plain cast would give NaN or inf); NaN stays NaN, +-inf becomes
+    the format's NaN or inf."""
+    top = float(jnp.finfo(dtype).max)
+    xf = x.astype(jnp.float32)
+    return jnp.where(is_finite(xf), jnp.clip(xf, -top, top), xf).astype(dtype)
 
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -102,15 +144,23 @@ def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Arr
     """The stored scale and zero (`dtype`) of groups with float32 minimum lo and maximum hi.
 
     scale = round_up((hi - lo) * (1 / levels)), zero = lo; a span beyond float32's range (finite
-    members near -max and +max) is taken halved, so finite groups get finite parameters. Groups
+    members near -max and +max) is taken halved, so finite groups get finite parameters. In a
+    float8 dtype zero = lo rounded down and scale = round_up((hi - zero) / levels), both
+    saturated at the dtype's largest value (module doc). Groups
     that are not `finite` (a member is NaN or +-inf) get NaN for both: every member of such a
     group dequantizes to NaN, never to a finite number.
     """
     levels = (1 << bits) - 1
+    nan = jnp.array(jnp.nan, dtype)
+    if is_float8(dtype):  # zero rounded down, the scale over the span from it (module doc)
+        top = float(jnp.finfo(dtype).max)
+        zero = round_down_to_float8(jnp.clip(jnp.where(finite, lo, 0.0), -top, top), dtype)
+        step = (jnp.where(finite, hi, 0.0) - as_float32(zero)) * jnp.float32(1.0 / levels)
+        scale = round_up_to_dtype(step, dtype)
+        return jnp.where(finite, scale, nan), jnp.where(finite, zero, nan)
     span = hi - lo
     halved = (hi * 0.5 - lo * 0.5) * jnp.float32(2.0 / levels)
     step = jnp.where(jnp.isinf(span), halved, span * jnp.float32(1.0 / levels))
-    nan = jnp.array(jnp.nan, dtype)
     scale = jnp.where(finite, round_up_to_dtype(jnp.where(finite, step, 0.0), dtype), nan)
     return scale, jnp.where(finite, lo.astype(dtype), nan)
 
@@ -178,7 +228,10 @@ def affine(c: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
     return jnp.where(jnp.isinf(y) & is_finite(s) & is_finite(z), half * 2, y)
 
 
-def fake_quantize(x: jax.Array, bits: int, group_size: int, axis: int) -> jax.Array:
-    """Quantize-dequantize x along `axis` in groups of G, returned in x's dtype (for analyses)."""
-    codes, scale, zero = quantize(x, bits, group_size, axis, x.dtype)
+def fake_quantize(
+    x: jax.Array, bits: int, group_size: int, axis: int, params_dtype=None
+) -> jax.Array:
+    """Quantize-dequantize x along `axis` in groups of G, returned in x's dtype (for analyses);
+    the scales and zeros in `params_dtype` (default x's dtype)."""
+    codes, scale, zero = quantize(x, bits, group_size, axis, params_dtype or x.dtype)
     return dequantize(codes, scale, zero, group_size, axis).astype(x.dtype)

@@ -138,6 +138,21 @@ def test_mass_selection_and_cuda_core_gqa_kernels_interpret(rng):
     )
 
 
+def test_kivi2_lean_matches_reference_interpret(rng):
+    """kivi2-lean's state (float8 scales, zeros and residual; issue 61) through the kernels."""
+    cfg = dataclasses.replace(kj.KIVI2_LEAN, residual_length=64)
+    _check(rng, cfg, D=64, n_rep=3, dtype=BF, lengths="streamed")
+
+
+@pytest.mark.slow
+def test_plain_e5m2_state_on_cuda_core_kernels_interpret(rng, slow_only):
+    cfg = kj.KiviConfig(
+        k_bits=4, v_bits=4, group_size=32, residual_length=64, k_scale_format=kj.Format.E5M2,
+        v_scale_format=kj.Format.E5M2, residual_format=kj.Format.E5M2,
+    )  # fmt: skip
+    _check(rng, cfg, D=64, n_rep=1, dtype=BF, lengths="streamed", kernels=CC)
+
+
 def test_the_gpu_kernels_read_the_mixed_state_and_the_tpu_kernel_names_it(rng):
     cache = kj.init_cache(kj.KIVI2_MIX, batch=1, max_len=64, num_kv_heads=2, head_dim=64, dtype=BF)
     q = jnp.zeros((1, 4, 64), BF)

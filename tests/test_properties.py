@@ -12,24 +12,32 @@ planted NaN, inf and extreme values follow docs/design.md's "Non-finite and extr
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import prefill_then_appends, tree_equal
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from tiny_model import tiny_params
 
 import kivi_jax as kj
 
-# Two configs (plain, and every mixed-precision part with ERROR selection, for which prefill
-# equals appends bit-identically), one shape: few compilations.
+# Three configs (plain; every mixed-precision part with ERROR selection, for which prefill
+# equals appends bit-identically; the same in kivi2-lean's float8 formats), one shape: few
+# compilations.
+_MIXED = kj.KiviConfig(
+    k_bits=2, v_bits=2, group_size=4, residual_length=8, sinks=1, sliding_keys=True,
+    fine_key_channels=2, heavy_tokens=2, selection=kj.Selection.ERROR,
+)  # fmt: skip
 CONFIGS = {
     "plain": kj.KiviConfig(k_bits=2, v_bits=4, group_size=4, residual_length=8),
-    "mixed": kj.KiviConfig(
-        k_bits=2, v_bits=2, group_size=4, residual_length=8, sinks=1, sliding_keys=True,
-        fine_key_channels=2, heavy_tokens=2, selection=kj.Selection.ERROR,
+    "mixed": _MIXED,
+    "lean": dataclasses.replace(
+        _MIXED, k_scale_format=kj.Format.E4M3, v_scale_format=kj.Format.E4M3,
+        residual_format=kj.Format.E4M3,
     ),
 }  # fmt: skip
 B, T, H, D = 2, 21, 2, 8  # T tokens: two flushes of R = 8 and a partial window
@@ -88,7 +96,16 @@ non_finite_cases = dict(
 
 
 @settings(max_examples=6, deadline=None)
-@given(kind=st.sampled_from([("plain", "bfloat16"), ("mixed", "float32")]), **non_finite_cases)
+@given(
+    kind=st.sampled_from([("plain", "bfloat16"), ("mixed", "float32"), ("lean", "bfloat16")]),
+    **non_finite_cases,
+)
+@example(  # the float8 formats, always: a NaN key, an inf value (NaN in e4m3), a sink's inf key
+    kind=("lean", "bfloat16"),
+    plants=[(0, 0, 5, 1, 3, np.nan), (1, 1, 2, 0, 6, np.inf), (0, 1, 0, 0, 1, -np.inf)],
+    n=7,
+    seed=1,
+)
 def test_a_non_finite_token_stays_in_its_group_and_prefill_still_equals_appends(
     kind, plants, n, seed
 ):
@@ -120,7 +137,11 @@ extreme_cases = dict(
 
 
 @settings(max_examples=5, deadline=None)
-@given(kind=st.sampled_from([("plain", "bfloat16"), ("mixed", "float32")]), **extreme_cases)
+@given(
+    kind=st.sampled_from([("plain", "bfloat16"), ("mixed", "float32"), ("lean", "float32")]),
+    **extreme_cases,
+)
+@example(kind=("lean", "float32"), signs=[(0, 3, 2, -1.0), (0, 4, 2, 1.0), (1, 9, 5, 0.5)], seed=2)
 def test_finite_tokens_anywhere_in_the_dtype_range_dequantize_finite(kind, signs, seed):
     _check_extremes(*kind, signs, seed)
 
@@ -159,7 +180,7 @@ def _check_extremes(config, dtype, signs, seed):
 
 @settings(max_examples=6, deadline=None)
 @given(
-    kind=st.sampled_from(["plain", "mixed", "full"]),
+    kind=st.sampled_from(["plain", "mixed", "lean", "full"]),
     plants=st.lists(plant, min_size=1, max_size=2),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -298,7 +319,7 @@ def test_functions_that_take_the_model_say_so_when_given_its_params(params, tmp_
 
 @settings(max_examples=15, deadline=None)
 @given(
-    preset=st.sampled_from(["kivi2", "kivi4", "kivi2-mix", "full"]),
+    preset=st.sampled_from(["kivi2", "kivi4", "kivi2-mix", "kivi2-lean", "full"]),
     length=st.integers(0, 600),
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
 )
@@ -330,7 +351,7 @@ def test_held_bits_names_a_bad_argument(kwargs, error, match):
 
 @settings(max_examples=10, deadline=None)
 @given(
-    kind=st.sampled_from(["plain", "mixed", "full"]),
+    kind=st.sampled_from(["plain", "mixed", "lean", "full"]),
     layers=st.integers(1, 3),
     max_len=st.integers(1, 70),
 )

@@ -1,6 +1,6 @@
 """kivi-eval: accuracy studies of the KIVI cache on a real model (docs/accuracy.md).
 
-    kivi-eval ppl|passkey|errors|ablate|mix|all [--out DIR] [--quick] [--text FILE]
+    kivi-eval ppl|passkey|errors|ablate|mix|lean|all [--out DIR] [--quick] [--text FILE]
               [--check-text FILE ...] [--model PATH] [--weights float|int8|int4|gguf]
     kivi-eval replot --out DIR
 
@@ -21,7 +21,7 @@ import time
 from kivi_jax.loading import default_group_size
 from kivi_jax.weights import add_weights_argument
 
-STUDIES = ("ppl", "passkey", "errors", "ablate", "mix")
+STUDIES = ("ppl", "passkey", "errors", "ablate", "mix", "lean")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,7 @@ class Sizes:
     mix_window: int
     mix_check_tokens: int
     mix_budgets: tuple[int, ...]
+    lean_keys_per_cell: int
     ablate_groups: tuple[int, ...] = (16, 32, 64)
     ablate_residuals: tuple[int, ...] = (64, 128, 256)
 
@@ -61,6 +62,7 @@ FULL = Sizes(
     mix_window=1024,
     mix_check_tokens=2048,
     mix_budgets=(8, 16, 32, 64),
+    lean_keys_per_cell=2,  # 10 prompts per length: 7 settings x 3 lengths within ~30 min
 )
 QUICK = Sizes(
     ppl_tokens=512,
@@ -79,6 +81,7 @@ QUICK = Sizes(
     mix_window=256,
     mix_check_tokens=256,
     mix_budgets=(8,),
+    lean_keys_per_cell=1,
 )
 
 
@@ -191,6 +194,22 @@ def run(args, log) -> list[pathlib.Path]:
         elif study == "errors":
             ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.error_tokens)
             result = studies.error_study(params, ids, source=src, num_queries=sizes.error_queries)
+        elif study == "lean":
+            ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.ppl_tokens)
+            error_ids, _ = data.prose_tokens(tok, path=args.text, max_tokens=sizes.error_tokens)
+            result = studies.lean_study(
+                params,
+                tok,
+                ids,
+                source=src,
+                window=sizes.window,
+                error_ids=error_ids,
+                error_queries=sizes.error_queries,
+                passkey_lengths=sizes.passkey_lengths,
+                depths=sizes.depths,
+                keys_per_cell=sizes.lean_keys_per_cell,
+                log=log,
+            )
         elif study == "mix":
             ids, src = data.prose_tokens(tok, path=args.text, max_tokens=sizes.mix_tokens)
             check = [

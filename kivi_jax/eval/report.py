@@ -371,11 +371,80 @@ def _mix_plot(r: dict, path) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- lean
+
+
+def _lean_md(r: dict) -> str:
+    fp = r["ppl"]["fp"]["ppl"]
+    lengths = r["passkey_lengths"]
+    prompts = len(r["passkey_depths"]) * r["passkey_keys_per_cell"]
+    head = ["KV", "bits d64 1k / 4k / 32k", "max 4k..4k+R d64 / d128", "ppl", "vs fp"]
+    head += [f"passkey {n}" for n in lengths]
+    rows = []
+    for name, p in r["ppl"].items():
+        p, b = p["ppl"], r["bits"][name]
+        row = [
+            name,
+            " / ".join(f"{b[f'd64_{n}']:.2f}" for n in (1024, 4096, 32768)),
+            f"{b['d64_4k_max']:.3f} / {b['d128_4k_max']:.3f}",
+            f"{p:.3f}",
+            "" if name == "fp" else f"{100 * (p / fp - 1):+.2f}%",
+        ]
+        row += (
+            [_of_keys(a, prompts) for a in r["passkey"][name]]
+            if name in r["passkey"]
+            else [""] * len(lengths)
+        )
+        rows.append(row)
+    text = (
+        f"Perplexity through the streaming view on `{r['source']}` ({r['windows']} window(s) of "
+        f"{r['window']} tokens, {r['scored_tokens']} scored; cache dtype {r['cache_dtype']}), "
+        f"passkey retrieval ({prompts} prompts per length) and held_bits per value of a "
+        "bfloat16 cache (head_dim 64 is the model's).\n\n" + _table(head, rows) + "\n\n"
+    )
+    text += "".join(f"- {n}: {d}\n" for n, d in r["settings"].items())
+    fe = r["format_errors"]
+    text += (
+        f"\nThe formats: attention-output error (relative Frobenius, the last "
+        f"{r['format_error_queries']} queries over {r['format_error_keys']} keys, through the "
+        "streaming view, against full precision; mean and max over layers) of KIVI-2 with "
+        "each float8 format:\n\n"
+    )
+    text += _table(
+        ["KV", "error mean", "error max", "bits d64 4k"],
+        [
+            [n, f"{e['mean']:.4f}", f"{e['max']:.4f}", f"{r['format_bits'][n]['d64_4096']:.3f}"]
+            for n, e in fe.items()
+        ],
+    )
+    return text
+
+
+def _lean_plot(r: dict, path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fp = r["ppl"]["fp"]["ppl"]
+    for name, p in r["ppl"].items():
+        x, y = r["bits"][name]["d64_4k_max"], 100 * (p["ppl"] / fp - 1)
+        ax.scatter([x], [y])
+        ax.annotate(name, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(1.0, color="gray", ls="--", lw=0.8)
+    ax.axvline(3.0, color="gray", ls="--", lw=0.8)
+    ax.set_xlabel("held bits per value, max over 4096..4096+R (head_dim 64, bf16)")
+    ax.set_ylabel("perplexity vs fp (%)")
+    ax.set_yscale("symlog", linthresh=2)
+    ax.set_title("Fewer bits per value: each option and kivi2-lean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 MARKDOWN = {
     "ppl": _ppl_md,
     "passkey": _passkey_md,
     "errors": _errors_md,
     "ablate": _ablate_md,
+    "lean": _lean_md,
     "mix": _mix_md,
 }
 PLOTS = {
@@ -383,5 +452,6 @@ PLOTS = {
     "passkey": _passkey_plot,
     "errors": _errors_plot,
     "ablate": _ablate_plot,
+    "lean": _lean_plot,
     "mix": _mix_plot,
 }

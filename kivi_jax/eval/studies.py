@@ -14,6 +14,7 @@ Each study is a plain function of (params, tokenizer or tokens, sizes) returning
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -25,7 +26,7 @@ from kivi_jax import analysis
 from kivi_jax.analysis import Grouping
 from kivi_jax.cache import init_cache
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.config import KIVI2, KIVI2_MIX, KIVI4, KiviConfig, Selection
+from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, Format, KiviConfig, Selection
 from kivi_jax.eval import data, views
 from kivi_jax.models import llama
 
@@ -263,6 +264,9 @@ def _describe(cfg: KiviConfig | None) -> str:
     if cfg is None:
         return "full precision"
     s = f"K{cfg.k_bits}/V{cfg.v_bits} bits, G={cfg.group_size}, R={cfg.residual_length}"
+    for name in ("k_scale_format", "v_scale_format", "residual_format"):
+        if getattr(cfg, name) is not Format.CACHE:
+            s += f", {name}={getattr(cfg, name).value}"
     if cfg.mixed:
         s += (
             f", sinks={cfg.sinks}, sliding_keys={cfg.sliding_keys}, "
@@ -568,4 +572,128 @@ def mix_study(
         "default": _describe(KIVI2_MIX),
         "settings": rows,
         "held_out": held_out,
+    }
+
+
+# ----------------------------------------------------------------------------- fewer bits
+
+
+# Passkey runs these rows of `lean_candidates` only (a passkey cell per setting costs minutes
+# on 2 cores); KIVI-2's and kivi2-mix's rows are the ppl and passkey studies'.
+LEAN_PASSKEY = ("fp", "kivi2-lean")
+
+
+def lean_candidates() -> dict[str, KiviConfig | None]:
+    """The rows of the fewer-bits study (issue 61): fp, kivi2-lean, KIVI-2 with each storage
+    option alone (float8 scales and zeros, a float8 residual) and kivi2-mix with its side
+    storage trimmed (16 heavy tokens, not 32)."""
+    e4m3 = dict(k_scale_format=Format.E4M3, v_scale_format=Format.E4M3)
+    return {
+        "fp": None,
+        "kivi2-lean": KIVI2_LEAN,
+        "kivi2 + e4m3 scales": dataclasses.replace(KIVI2, **e4m3),
+        "kivi2 + e4m3 residual": dataclasses.replace(KIVI2, residual_format=Format.E4M3),
+        "kivi2-mix, 16 heavy": dataclasses.replace(KIVI2_MIX, heavy_tokens=16),
+    }
+
+
+def format_candidates() -> dict[str, KiviConfig]:
+    """KIVI-2 with each float8 format for the scales and zeros, and for the residual: the
+    configurations whose attention-output error picks the formats."""
+    out = {"kivi2": KIVI2}
+    for f in (Format.E4M3, Format.E5M2):
+        out[f"{f.value} scales"] = dataclasses.replace(KIVI2, k_scale_format=f, v_scale_format=f)
+        out[f"{f.value} residual"] = dataclasses.replace(KIVI2, residual_format=f)
+    return out
+
+
+def bits_rows(settings, *, head_dims=(64, 128), lengths=(1024, 4096, 32768)) -> dict:
+    """held_bits per value (bfloat16 cache) of each setting: at each length and head_dim, and
+    the maximum over the lengths 4096 ... 4096 + R (where the residual is fullest)."""
+    from kivi_jax.memory import held_bits
+
+    rows = {}
+    for name, cfg in settings.items():
+        row = {}
+        for d in head_dims:
+            for n in lengths:
+                row[f"d{d}_{n}"] = held_bits(cfg, length=n, head_dim=d).bits_per_value
+            r = 0 if cfg is None else cfg.residual_length
+            row[f"d{d}_4k_max"] = max(
+                held_bits(cfg, length=n, head_dim=d).bits_per_value for n in range(4096, 4097 + r)
+            )
+        rows[name] = row
+    return rows
+
+
+def lean_study(
+    params,
+    tokenizer,
+    ids,
+    *,
+    source: str,
+    window: int,
+    error_ids,
+    error_queries: int,
+    passkey_lengths,
+    depths,
+    keys_per_cell: int,
+    log=print,
+) -> dict:
+    """Fewer bits per value (issue 61): for each `lean_candidates` row its held bits per value
+    (bits_rows) and perplexity through the streaming view on `ids` in windows of `window`,
+    passkey retrieval at `passkey_lengths` of the LEAN_PASSKEY rows; and the attention-output
+    error of each float8 format (`format_candidates`, the errors study's measure on
+    `error_ids`) that picked them."""
+    t0 = time.perf_counter()
+    settings = lean_candidates()
+    formats = format_candidates()
+    keys = (len(error_ids) - error_queries) // 32 * 32
+    tokens = jnp.asarray(error_ids[: keys + error_queries], jnp.int32)[None]
+    errors = np.asarray(
+        _cache_output_errors(
+            params, tokens, num_queries=error_queries, configs=tuple(formats.values())
+        )
+    )  # [formats, L]
+    format_errors = {
+        n: {"mean": float(errors[i].mean()), "max": float(errors[i].max())}
+        for i, n in enumerate(formats)
+    }
+    log(f"lean format errors: {format_errors}")
+    chunks = windows(ids, window)
+    ppl = {}
+    for name, cfg in settings.items():
+        view = views.FullAttention() if cfg is None else views.StreamingAttention(cfg, params.dtype)
+        ppl[name] = perplexity(params, chunks, view)
+        log(f"lean ppl {name}: {ppl[name]['ppl']:.3f} ({ppl[name]['seconds']:.0f} s)")
+    pk = passkey_study(
+        params,
+        tokenizer,
+        lengths=list(passkey_lengths),
+        depths=list(depths),
+        keys_per_cell=keys_per_cell,
+        settings={n: settings[n] for n in LEAN_PASSKEY},
+        seed=2,
+        log=log,
+    )
+    return {
+        "source": source,
+        "window": window,
+        "windows": int(chunks.shape[0]),
+        "scored_tokens": int(chunks.shape[0] * (window - 1)),
+        "cache_dtype": str(jnp.dtype(params.dtype)),
+        "settings": {n: _describe(c) for n, c in settings.items()},
+        "bits": bits_rows({"kivi2": KIVI2, "kivi2-mix": KIVI2_MIX, **settings}),
+        "ppl": ppl,
+        "passkey_lengths": list(passkey_lengths),
+        "passkey_depths": list(depths),
+        "passkey_keys_per_cell": keys_per_cell,
+        "passkey": pk["accuracy_by_length"],
+        "passkey_records": pk["records"],
+        "format_error_keys": keys,
+        "format_error_queries": error_queries,
+        "format_settings": {n: _describe(c) for n, c in formats.items()},
+        "format_errors": format_errors,
+        "format_bits": bits_rows(formats),
+        "seconds": time.perf_counter() - t0,
     }

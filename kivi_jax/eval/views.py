@@ -31,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kivi_jax import cache as kc
 from kivi_jax import quantization
 from kivi_jax.analysis import Grouping
 from kivi_jax.config import KiviConfig
@@ -43,12 +44,18 @@ def _pad_tokens(x: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else x
 
 
-def quantize_tokens(x: jax.Array, bits: int, group_size: int, grouping: Grouping, dtype):
-    """x [B, S, H, D] quantize-dequantized in `dtype`, grouped per token or per channel."""
+def quantize_tokens(
+    x: jax.Array, bits: int, group_size: int, grouping: Grouping, dtype, params_dtype=None
+):
+    """x [B, S, H, D] quantize-dequantized in `dtype` (scales and zeros in `params_dtype`,
+    default `dtype`), grouped per token or per channel."""
     x = x.astype(dtype)
     if grouping is Grouping.PER_TOKEN:
-        return fake_quantize(x, bits, group_size, axis=3)
-    return fake_quantize(_pad_tokens(x, group_size), bits, group_size, axis=1)[:, : x.shape[1]]
+        return fake_quantize(x, bits, group_size, axis=3, params_dtype=params_dtype)
+    padded = _pad_tokens(x, group_size)
+    return fake_quantize(padded, bits, group_size, axis=1, params_dtype=params_dtype)[
+        :, : x.shape[1]
+    ]
 
 
 def _two_candidate_attention(q, k_a, k_b, v_a, v_b, use_k_a, use_v_a, lengths):
@@ -86,15 +93,16 @@ class StreamingAttention:
     def __call__(self, q, k, v, lengths):
         if self.config.mixed:
             return _mixed_streaming_attention(self.config, self.cache_dtype, q, k, v, lengths)
-        cfg, s = self.config, q.shape[1]
-        kq = quantize_tokens(k, cfg.k_bits, cfg.group_size, Grouping.PER_CHANNEL, self.cache_dtype)
-        vq = quantize_tokens(v, cfg.v_bits, cfg.group_size, Grouping.PER_TOKEN, self.cache_dtype)
+        cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
+        k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
+        g, kp, vp = cfg.group_size, cfg.k_scale_format.dtype(dtype), cfg.v_scale_format.dtype(dtype)
+        kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
+        vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
         held = jnp.arange(s)[:, None] + 1  # [S, 1]: the cache length when query i attends
         t = jnp.arange(s)[None, :]
         r = cfg.residual_length
         keys_quantized = t < held - held % r  # [S, S]
         values_quantized = t < held - r
-        k, v = k.astype(self.cache_dtype), v.astype(self.cache_dtype)
         return _two_candidate_attention(q, kq, k, vq, v, keys_quantized, values_quantized, lengths)
 
 
@@ -120,12 +128,10 @@ def _top_n_members(score, candidate_from, n: int, first: int):
 def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
     """StreamingAttention for a mixed-precision config (kivi_jax.cache's module doc): query i
     sees the sinks, the rings, the heavy tokens chosen so far and the codes of the rest."""
-    from kivi_jax import cache as kc
-
     b, s, n, d = q.shape
     h = k.shape[2]
     g, r = cfg.group_size, cfg.residual_length
-    k, v = k.astype(dtype), v.astype(dtype)
+    k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
     # Keys through the cache's own group quantization (sinks, fine channels), groups from 0.
     kh = _pad_tokens(k, g).swapaxes(1, 2)  # [B, H, S', D]
     codes, scale, zero, lo, channels = kc._quantize_keys(kh, cfg, jnp.zeros((b,), jnp.int32), dtype)
@@ -143,7 +149,8 @@ def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
             d,
         )
     kq = kq[:, :, :s]  # [B, H, S, D]
-    v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=dtype)
+    v_params = cfg.v_scale_format.dtype(dtype)
+    v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=v_params)
     vq = quantization.dequantize(v_codes, v_scale, v_zero, g, axis=3).swapaxes(1, 2)
     kf, vf = (x.astype(jnp.float32).swapaxes(1, 2) for x in (k, v))  # [B, H, S, D]
 

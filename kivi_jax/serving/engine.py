@@ -505,7 +505,7 @@ class Engine:
 
     Args:
       params: the model's weights.
-      kv: "full", "kivi2", "kivi4", "kivi2-mix" or a KiviConfig.
+      kv: "full", "kivi2", "kivi4", "kivi2-mix", "kivi2-lean" or a KiviConfig.
       slots: requests decoded together (rows of the state); None: as many as fit the device's
         memory beside what is already on it (the programs are compiled first to count their
         temporaries: memory_plan).

@@ -37,17 +37,22 @@ def unsupported_reason(cache, *, head_dim: int, dtype, supported, reads_mixed: b
 
 
 def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
-    """(the arrays in the kernels' argument order, the static config as keyword arguments)."""
+    """(the arrays in the kernels' argument order, the static config as keyword arguments).
+
+    The kernels read scales, zeros and rings in the cache dtype: those stored in a float8
+    format (KiviConfig's *_format) are widened to it first, exactly (every float8 value is a
+    bfloat16, float16 and float32 value), by XLA, a pass over them before the kernels."""
     cfg = cache.config
+    wide = lambda x: x if x.dtype == cache.dtype else x.astype(cache.dtype)
     arrays = (
         cache.k_codes,
-        cache.k_scale,
-        cache.k_zero,
+        wide(cache.k_scale),
+        wide(cache.k_zero),
         cache.v_codes,
-        cache.v_scale,
-        cache.v_zero,
-        cache.k_residual,
-        cache.v_residual,
+        wide(cache.v_scale),
+        wide(cache.v_zero),
+        wide(cache.k_residual),
+        wide(cache.v_residual),
         cache.lengths,
     )
     return arrays, dict(

@@ -1,0 +1,142 @@
+"""Fewer bits per value (issue 61): float8 scales and zeros, a float8 residual, kivi2-lean.
+
+The cache-wide properties (prefill = appends bit-identical, non-finite values confined to their
+group, finite tokens giving a finite state) run on a float8 config in tests/test_properties.py;
+the GPU kernels over kivi2-lean's state in tests/test_decode_attention_mixed.py.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import prefill_then_appends, random_kv, tree_equal
+
+import kivi_jax as kj
+from kivi_jax import quantization as qz
+from kivi_jax.config import Format
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_as_float32_decodes_every_float8_bit_pattern(dtype):
+    y = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), dtype)
+    np.testing.assert_array_equal(qz.as_float32(y), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_float8_zero_is_the_minimum_rounded_down_and_every_member_within_half_a_step(dtype):
+    # Groups of 32 of spreads 1e-3 ... 1e1 around offsets of either sign, within e4m3's +-448.
+    rng = np.random.default_rng(0)
+    spread = 10.0 ** rng.uniform(-3, 1, size=(400, 1))
+    x = rng.normal(size=(400, 32)) * spread + rng.normal(size=(400, 1)) * 5 * spread
+    x = jnp.asarray(x, jnp.float32)
+    codes, scale, zero = qz.quantize(x, 2, 32, axis=1, dtype=dtype)
+    assert scale.dtype == zero.dtype == dtype
+    s, z = qz.as_float32(scale), qz.as_float32(zero)
+    assert bool(jnp.all(z <= x.min(axis=1, keepdims=True)))
+    err = jnp.abs(qz.dequantize(codes, scale, zero, 32, axis=1) - x)
+    assert bool(jnp.all(err <= s / 2 * (1 + 2**-20)))
+
+
+def test_float8_parameters_saturate_finite_beyond_the_format():
+    # e4m3's largest value is 448: a group at 1e4 and one spanning -1e30 .. 1e30 stay finite.
+    x = jnp.asarray([[1e4] * 4, [-1e30, 0.0, 1.0, 1e30]], jnp.float32)
+    codes, scale, zero = qz.quantize(x, 2, 4, axis=1, dtype=E4M3)
+    assert qz.as_float32(zero).tolist() == [[448.0], [-448.0]]
+    assert bool(jnp.all(jnp.isfinite(qz.dequantize(codes, scale, zero, 4, axis=1))))
+
+
+def test_round_to_float8_saturates_finite_values_and_keeps_non_finite_ones():
+    x = jnp.asarray([1000.0, -1000.0, 0.3, jnp.nan, jnp.inf], jnp.float32)
+    got = np.asarray(qz.as_float32(qz.round_to_float8(x, E4M3)))
+    np.testing.assert_array_equal(got[:3], [448.0, -448.0, 0.3125])
+    assert np.isnan(got[3:]).all()  # e4m3fn has no inf
+
+
+SMALL_LEAN = dataclasses.replace(
+    kj.KIVI2_LEAN, group_size=4, residual_length=8, sinks=1, fine_key_channels=2, heavy_tokens=2
+)
+
+
+def test_a_float8_residual_holds_the_tokens_rounded_as_they_entered(rng):
+    cache = kj.init_cache(
+        SMALL_LEAN, batch=1, max_len=20, num_kv_heads=1, head_dim=8, dtype=jnp.bfloat16
+    )
+    assert cache.dtype == jnp.bfloat16
+    assert cache.k_scale.dtype == cache.v_zero.dtype == cache.k_residual.dtype == E4M3
+    assert cache.side.sink_k.dtype == cache.side.heavy_v.dtype == E4M3
+    k, v = random_kv(rng, 1, 20, 1, 8)
+    cache = kj.prefill(cache, k, v)
+    dk, dv = kj.dequantize(cache, jnp.float32)
+    rounded = lambda x: qz.as_float32(qz.round_to_float8(x.astype(jnp.bfloat16), E4M3))
+    # l = 20, R = 8, sliding keys: tokens 12-19 in the rings, token 0 a sink.
+    np.testing.assert_array_equal(dk[0, 12:], rounded(k[0, 12:]))
+    np.testing.assert_array_equal(dv[0, 12:], rounded(v[0, 12:]))
+    np.testing.assert_array_equal(dk[0, 0], rounded(k[0, 0]))
+
+
+@pytest.mark.parametrize(
+    "formats",
+    [
+        dict(k_scale_format=Format.E5M2, v_scale_format=Format.E4M3),
+        dict(residual_format=Format.E5M2),
+    ],
+)
+def test_plain_float8_formats_prefill_equals_appends(rng, formats):
+    """(kivi2-lean's formats with every mixed part: tests/test_properties.py's "lean".)"""
+    cfg = kj.KiviConfig(group_size=4, residual_length=8, **formats)
+    fresh = kj.init_cache(cfg, batch=2, max_len=21, num_kv_heads=2, head_dim=8, dtype=jnp.float16)
+    k, v = random_kv(rng, 2, 21, 2, 8)
+    whole, stepped = prefill_then_appends(fresh, k, v, 5, 16)
+    assert tree_equal(whole, stepped)
+
+
+def _hand_counted_lean_bits(d):
+    """kivi2-lean at 4096 tokens (sliding keys: 3968 keys and values quantized), head_dim d."""
+    q = 4096 - 128
+    codes = 2 * q * 2 * d
+    scales = 2 * q * 2 * 8 * d // 32  # e4m3 scale and zero per 32 values, keys and values
+    ring = 2 * 128 * d * 8  # both rings, e4m3
+    fine = q * 16 * 2 + 8 * 16 * q // 32  # 16 low 2-bit planes, a uint8 index per group
+    sinks = 4 * 2 * d * 8
+    heavy = 16 * (2 * d * 8 + 64)  # key, value in e4m3, int32 position, float32 score
+    return codes + scales + ring + fine + sinks + heavy
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_held_bits_counts_the_float8_parts_and_kivi2_lean_holds_at_most_3_bits(d):
+    got = kj.held_bits("kivi2-lean", length=4096, head_dim=d)
+    assert got.total_bits == _hand_counted_lean_bits(d)  # d 64: 1,565,184 bits, 2.985 a value
+    worst = max(
+        kj.held_bits(kj.KIVI2_LEAN, length=n, head_dim=d).bits_per_value
+        for n in range(4096, 4096 + 129)
+    )
+    assert worst <= 3.0
+
+
+def test_memory_report_counts_float8_arrays_at_one_byte():
+    cfg = kj.KiviConfig(k_scale_format=Format.E4M3, v_scale_format=Format.E5M2)
+    shape = dict(batch=1, max_len=256, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    lean, plain = (
+        kj.memory_report(kj.init_cache(cfg, **shape)),
+        kj.memory_report(kj.init_cache(kj.KIVI2, **shape)),
+    )
+    assert 2 * lean.scales_zeros_bytes == plain.scales_zeros_bytes == 2 * 2 * 2 * 256 * 2 * 2
+    assert lean.residual_bytes == plain.residual_bytes
+
+
+def test_kivi2_lean_is_a_kv_name_everywhere():
+    from kivi_jax.cli import KV_CHOICES
+    from kivi_jax.generate import KV_PRESETS, resolve_kv
+
+    assert KV_CHOICES == tuple(KV_PRESETS)  # one list of names: the CLIs' and the engine's
+    assert resolve_kv("kivi2-lean") is kj.KIVI2_LEAN
+    assert not kj.KIVI2_LEAN.plain_formats and kj.KIVI2.plain_formats
+
+
+def test_a_format_must_be_a_format():
+    with pytest.raises(ValueError, match="residual_format must be a Format"):
+        kj.KiviConfig(residual_format="e4m3")
