@@ -1,6 +1,8 @@
-"""Memory per device of Llama-3-8B and Llama-3-70B split over 1, 2, 4 and 8 H200s (tensor
-parallelism, kivi_jax.sharding), for the bf16 cache, KIVI-2 and KIVI-4: weights, the cache of
-1k tokens of one row, and the largest batch at 4k and 32k tokens of context. Computed, not
+"""Memory per device of Llama-3-8B, Llama-3-70B and Llama-3.1-405B split over 1, 2, 4 and 8
+H200s of one host and 16 and 32 of 2 and 4 hosts of 8 (tensor parallelism over all of them,
+kivi_jax.sharding and kivi_jax.distributed), for the bf16 cache, KIVI-2 and KIVI-4: weights,
+the cache of 1k tokens of one row, and the largest batch at 4k and 32k tokens of context.
+Computed, not
 measured (nothing runs on a device): the weights' shapes with their split (sharding.param_specs),
 the cache's bytes by the project's own accounting (kivi_jax.held_bits for the tokens held,
 kivi_jax.memory_report for what a row's state allocates at a capacity).
@@ -42,8 +44,14 @@ MODELS = {
         num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_embeddings=False,
         max_context=32768,
     ),
+    "Llama-3.1-405B": LlamaConfig(
+        vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126,
+        num_heads=128, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_embeddings=False,
+        max_context=32768,
+    ),
 }  # fmt: skip
-DEVICES = (1, 2, 4, 8)
+DEVICES = (1, 2, 4, 8, 16, 32)
+GPUS_PER_HOST = 8
 KVS = ("full", "kivi2", "kivi4")
 CONTEXTS = (4096, 32768)
 
@@ -105,6 +113,7 @@ def table() -> list[dict]:
                     {
                         "model": name,
                         "devices": devices,
+                        "hosts": -(-devices // GPUS_PER_HOST),
                         "kv": kv,
                         "weights_gb": weights / 1e9,
                         "cache_mb_per_1k_tokens_row": cache_bytes_per_1k_tokens(config, kv, devices)
@@ -120,15 +129,16 @@ def markdown(rows: list[dict]) -> str:
         f"Per device: bf16 weights, and the largest batch whose weights and KV state fit "
         f"{SHARE:.0%} of {CARD_GB} GB (an H200). Computed by benchmarks/scaling_table.py.",
         "",
-        "| model | H200s | weights GB | cache | MB per 1k tokens per row | rows at 4k "
+        "| model | H200s | hosts | weights GB | cache | MB per 1k tokens per row | rows at 4k "
         "| rows at 32k |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fits = r["weights_gb"] < SHARE * CARD_GB
         cells = [
             r["model"],
             str(r["devices"]),
+            str(r["hosts"]),
             f"{r['weights_gb']:.1f}",
             r["kv"],
             f"{r['cache_mb_per_1k_tokens_row']:.1f}",

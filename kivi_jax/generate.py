@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kivi_jax import sharding
+from kivi_jax import distributed, sharding
 from kivi_jax.cache import init_cache
 from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, KiviConfig
 from kivi_jax.memory import memory_report
@@ -322,11 +322,14 @@ _decode_jit = jax.jit(_decode, static_argnames=_loop_static, donate_argnames=("s
 _step_jit = jax.jit(_step, static_argnames=_loop_static, donate_argnames=("state",))
 
 
-def _program_args(sampling: Sampling, batch: int, max_new_tokens: int):
-    """(the per-row values of `batch` rows, row b seeded with seed + b mod 2**32; the start's
-    static arguments; the decode's) for generate's programs."""
+def _program_args(sampling: Sampling, batch: int, max_new_tokens: int, mesh=None):
+    """(the per-row values of `batch` rows, row b seeded with seed + b mod 2**32, placed on
+    `mesh` if given; the start's static arguments; the decode's) for generate's programs."""
     seeds = (sampling.seed + np.arange(batch, dtype=np.uint64)) % 2**32
     rows = RowSampling.of([dataclasses.replace(sampling, seed=int(s)) for s in seeds])
+    if mesh is not None:
+        spec = sharding.rows_spec(mesh)
+        rows = jax.tree.map(lambda x: distributed.to_global(x, mesh, spec), rows)
     static = dict(
         sampled=sampling.temperature > 0, penalized=sampling.penalized, eos_id=sampling.eos_id
     )
@@ -434,7 +437,12 @@ def _prepare(
         num_layers=c.num_layers,
     )
     rows = auto_prefill_rows(params, cache, width) if prefill_rows is None else prefill_rows
-    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), cache, min(int(rows), B)
+    lengths = lengths.astype(np.int32)
+    if mesh is None:
+        return jnp.asarray(tokens), jnp.asarray(lengths), cache, min(int(rows), B)
+    spec = sharding.rows_spec(mesh)
+    tokens, lengths = (distributed.to_global(x, mesh, spec) for x in (tokens, lengths))
+    return tokens, lengths, cache, min(int(rows), B)
 
 
 def generate(
@@ -485,7 +493,9 @@ def generate(
         save the copy per call). Default: the mesh the params carry, else one device.
 
     Returns:
-      int32 [batch, max_new_tokens].
+      int32 [batch, max_new_tokens]; on a mesh spanning processes (kivi_jax.distributed:
+      every process passes the same arguments) whole on every device, so that every process
+      reads all of it.
 
     Raises:
       ValueError: unknown kv, a ragged list of prompts (pad them and pass lengths), tokens
@@ -510,11 +520,13 @@ def generate(
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
     n = int(max_new_tokens)
-    per_row, start_kw, decode_kw = _program_args(sampling, tokens.shape[0], n)
+    per_row, start_kw, decode_kw = _program_args(sampling, tokens.shape[0], n, mesh)
     state = _start_jit(params, tokens, lengths, cache, per_row, **start_kw, prefill_rows=rows)
     generated = _decode_jit(params, state, jnp.int32(n), **decode_kw).generated
     # the programs' width is n rounded up to a multiple of DECODE_CHUNK
-    return generated if generated.shape[1] == n else jax.lax.slice_in_dim(generated, 0, n, axis=1)
+    if generated.shape[1] != n:
+        generated = jax.lax.slice_in_dim(generated, 0, n, axis=1)
+    return generated if mesh is None else distributed.replicated(generated)
 
 
 def _mesh_for(params, mesh):
@@ -590,14 +602,14 @@ class TokenStream:
         self.params = params
         report = memory_report(cache)
         self.stats = StreamStats(
-            prompt_tokens=int(np.asarray(self.lengths).sum()),
+            prompt_tokens=int(distributed.to_host(self.lengths).sum()),
             kv_bytes=report.total_bytes,
             kv_full_bytes=report.full_precision_bytes,
             kv_capacity=cache[0].max_len,
         )
         t0 = time.perf_counter()
         per_row, start_kw, step_kw = _program_args(
-            self.sampling, self.tokens.shape[0], self.max_new_tokens
+            self.sampling, self.tokens.shape[0], self.max_new_tokens, mesh
         )
         args = (params, self.tokens, self.lengths, cache, per_row)
         self._start = _start_jit.lower(*args, **start_kw, prefill_rows=rows).compile()
@@ -618,22 +630,22 @@ class TokenStream:
         t0 = time.perf_counter()
         state = self._start(self.params, self.tokens, self.lengths, self._cache, self._per_row)
         self._cache = None  # donated
-        first = np.asarray(state.generated[:, 0])
+        first = distributed.to_host(state.generated[:, 0])
         self.stats.prefill_s = time.perf_counter() - t0
         self.stats.generated_tokens = 1
-        self.stats.held_tokens = int(np.max(state.positions))
+        self.stats.held_tokens = int(np.max(distributed.to_host(state.positions)))
         yield first
         t0 = time.perf_counter()
-        done = np.asarray(state.done)
+        done = distributed.to_host(state.done)
         for _ in range(1, self.max_new_tokens):
             if done.all():
                 break
             state = self._step(self.params, state, self._n)
             step = int(state.step) - 1
-            out = np.asarray(state.generated[:, step])
-            done = np.asarray(state.done)
+            out = distributed.to_host(state.generated[:, step])
+            done = distributed.to_host(state.done)
             self.stats.generated_tokens += 1
-            self.stats.held_tokens = int(np.max(state.positions))
+            self.stats.held_tokens = int(np.max(distributed.to_host(state.positions)))
             self.stats.decode_s = time.perf_counter() - t0
             yield out
 

@@ -1,0 +1,116 @@
+"""kivi_jax.distributed: generate across 2 processes of 2 host devices each (one group of
+processes, tests/distributed_worker.py, on loopback), against this process's one-device run;
+then a process killed mid-run ends the other."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed_worker import CASES, LENGTHS, NEW, PROMPTS
+from tiny_model import tiny_params, write_hf_dir
+
+import kivi_jax
+from kivi_jax import distributed, sharding
+
+TESTS = Path(__file__).parent
+STARTUP_S = 240  # both processes through every case (about 60 s on 2 shared CPU cores)
+LOST_S = 60  # a dead process ends the others within this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """Two worker processes; every wait bounded, both killed when the module ends."""
+
+    def __init__(self, tmp: Path):
+        write_hf_dir(str(tmp / "hf"), tiny_params())
+        kivi_jax.save_model(kivi_jax.load_model(tmp / "hf", dtype=jnp.float32), tmp / "saved")
+        port = free_port()
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"  # JAX's default is [::]
+        self.tmp, self.logs, self.procs = tmp, [tmp / "log_0", tmp / "log_1"], []
+        for pid, log in enumerate(self.logs):
+            cmd = [sys.executable, str(TESTS / "distributed_worker.py"), str(pid), "2", str(port)]
+            cmd += [str(tmp), str(tmp / "saved"), "--loop"]
+            with open(log, "w") as f:
+                self.procs.append(subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=f, stderr=f))
+
+    def log(self, pid: int) -> str:
+        return self.logs[pid].read_text()
+
+    def wait_for(self, pid: int, line: str) -> None:
+        """Until process `pid` prints `line` (fails if a process exits or time runs out)."""
+        deadline = time.monotonic() + STARTUP_S
+        while line not in self.log(pid):
+            exited = [p.poll() for p in self.procs]
+            if any(rc is not None for rc in exited) or time.monotonic() > deadline:
+                pytest.fail(f"exits {exited}, waiting for {line!r}:\n{self.log(0)[-4000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    g = Group(tmp_path_factory.mktemp("distributed"))
+    try:
+        yield g
+    finally:
+        g.kill()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_generate_across_processes_equals_one_process(group, name):
+    """Each process passes the whole batch and reads every row's tokens back: the greedy
+    tokens of ("model",) over 4 devices and of ("data", "model") 2 x 2, through generate, a
+    TokenStream and a saved model restored into its shards, equal one device's."""
+    _, kv, _ = CASES[name]
+    want = kivi_jax.generate(tiny_params(), PROMPTS, lengths=LENGTHS, kv=kv, max_new_tokens=NEW)
+    group.wait_for(1, "cases done")
+    group.wait_for(0, "cases done")
+    for pid in (0, 1):
+        got = np.load(group.tmp / f"tokens_{pid}.npz")[name]
+        np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"process {pid}")
+
+
+def test_a_killed_process_ends_the_other_naming_it(group):
+    """Process 1 killed while both generate: process 0 exits non-zero within LOST_S seconds
+    (the heartbeat timeout, 30 s), its log naming task 1 as the one that stopped."""
+    assert distributed.HEARTBEAT_TIMEOUT_S <= 30
+    group.wait_for(1, "generated")
+    group.procs[1].kill()
+    t0 = time.monotonic()
+    try:
+        rc = group.procs[0].wait(timeout=LOST_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"process 0 still running {LOST_S} s after process 1 died")
+    assert rc != 0
+    assert time.monotonic() - t0 < LOST_S
+    assert re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", group.log(0))
+
+
+def test_one_process_global_mesh_and_conversions():
+    """In one process: the mesh of its device, and to_global / to_host a round trip."""
+    mesh = distributed.global_mesh()
+    assert mesh.axis_names == ("model",) and mesh.devices.size == 1
+    with pytest.raises(ValueError, match="does not divide"):
+        distributed.global_mesh(2)
+    x = np.arange(12).reshape(4, 3)
+    placed = distributed.to_global(x, mesh, sharding.rows_spec(mesh))
+    np.testing.assert_array_equal(distributed.to_host(placed), x)
