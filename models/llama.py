@@ -600,6 +600,48 @@ def param_bytes(params: LlamaParams) -> int:
     return int(sum(np.prod(x.shape) * storage_bits(x) for x in jax.tree.leaves(params)) // 8)
 
 
+def _chunk_attention(q, sk, sv, offset, c: LlamaConfig):
+    """The chunk's causal attention over the prompt so far, flash-style: key blocks of the
+    chunk's width C, from the first the window reaches to the chunk's own, each one
+    dot_product_attention call ([B, N, C, C] logits at most, whatever the scratch's width),
+    merged by their log-sum-exp in float32.
+
+    q [B, C, N, D] at positions offset .. offset + C (offset a multiple of C); sk, sv
+    [B, P, H, D] the keys and values of positions [0, offset + C) -> [B, C, N, D] float32.
+    Keys after a query (the chunk's padding among them) are masked out."""
+    C, window = q.shape[1], c.sliding_window
+    scale = 1.0 / math.sqrt(c.head_dim)
+    qpos = offset + jnp.arange(C)
+
+    def block(start):
+        k = jax.lax.dynamic_slice_in_dim(sk, start, C, axis=1)
+        v = jax.lax.dynamic_slice_in_dim(sv, start, C, axis=1)
+        behind = qpos[:, None] - (start + jnp.arange(C))[None, :]  # [C, C]
+        seen = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+        out, lse = jax.nn.dot_product_attention(
+            q, k, v, mask=seen[None, None], scale=scale, return_residual=True
+        )  # [B, C, N, D], [B, C, N]
+        return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+    def merge(a, b):
+        (oa, la), (ob, lb) = a, b
+        m = jnp.maximum(la, lb)
+        wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+        return (oa * wa[..., None] + ob * wb[..., None]) / (wa + wb)[..., None], m + jnp.log(
+            wa + wb
+        )
+
+    first = 0 if window is None else jnp.maximum(offset - window + 1, 0) // C
+    earlier = jax.lax.fori_loop(
+        first,
+        offset // C,
+        lambda j, acc: merge(acc, block(j * C)),
+        (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)),
+    )
+    out, _ = merge(earlier, block(offset))
+    return out
+
+
 def prefill_chunk(
     params: LlamaParams,
     tokens: jax.Array,
@@ -616,7 +658,8 @@ def prefill_chunk(
     Args:
       params: the weights.
       tokens: int32 [B, C], the chunk (right-padded in the prompt's last chunk).
-      offset: int32 [], the prompt tokens before the chunk (the position of its first token).
+      offset: int32 [], the prompt tokens before the chunk (the position of its first token), a
+        multiple of C.
       count: int32 [B], the chunk's real tokens.
       scratch: per layer (k, v) [B, P, H, D] in the params dtype: the prompt's keys and values
         so far (positions [0, offset)), P >= offset + C; the chunk's are written at offset.
@@ -628,7 +671,8 @@ def prefill_chunk(
       (float32 logits of the chunk's last real token [B, V], the scratch, the states). Run over
       chunks from offset 0, the states are those of `prefill` of the whole prompt (the cache
       holds the same tokens); the logits differ from it only in the attention's reduction
-      shapes (P keys, masked causally, in place of the prompt's width).
+      shapes (the chunk's queries over key blocks of C merged by their log-sum-exp, in place
+      of one pass over the prompt's width).
     """
     if params.mesh is not None:
         from kivi_jax import sharding
@@ -638,20 +682,14 @@ def prefill_chunk(
         )
     c = params.config
     B, C = tokens.shape
-    P = scratch[0][0].shape[1]
     positions = jnp.broadcast_to(offset + jnp.arange(C, dtype=jnp.int32), (B, C))
-    behind = positions[0][:, None] - jnp.arange(P)[None, :]  # [C, P]: query minus key position
-    seen = behind >= 0 if c.sliding_window is None else (behind >= 0) & (behind < c.sliding_window)
-    mask = seen[None, None]  # [1, 1, C, P]
     h, out, kept = _embed(params, tokens), [], []
     for lw, cache, (sk, sv) in zip(params.layers, caches, scratch, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, C, N, D], k, v [B, C, H, D]
         sk = jax.lax.dynamic_update_slice_in_dim(sk, k.astype(sk.dtype), offset, axis=1)
         sv = jax.lax.dynamic_update_slice_in_dim(sv, v.astype(sv.dtype), offset, axis=1)
-        attn = jax.nn.dot_product_attention(
-            q, sk, sv, mask=mask, scale=1.0 / math.sqrt(c.head_dim)
-        )  # [B, C, N, D]; keys after each query (and the padding) masked out
+        attn = _chunk_attention(q, sk, sv, offset, c)  # [B, C, N, D]
         attn = attn.astype(h.dtype).reshape(B, C, c.num_heads * c.head_dim)
         h = h + _sum_shards(_dense(attn, lw.wo), c)
         h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)

@@ -272,7 +272,14 @@ def test_saved_quantized_model_restored_into_its_shards(tmp_path):
 ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt, new tokens)
 ENGINE_PROGRAMS = {
     f"jit({name})"
-    for name in ("_prefill_row", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode")
+    for name in (
+        "_prefill_batch",
+        "prefill_chunk",
+        "_empty_row",
+        "_insert_row",
+        "_reset",
+        "_decode",
+    )
 }
 compiled: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(

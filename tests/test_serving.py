@@ -260,14 +260,14 @@ def test_background_thread_and_async_iteration(params):
 
 def test_a_fault_in_one_requests_prefill_ends_that_request_only(params, monkeypatch):
     MARK = 261  # a prompt starting with it fails in its prefill (prompt() draws ids < 260)
-    real = engine_module._prefill_row
+    real = engine_module._prefill_batch
 
-    def prefill(params, tokens, length, **kw):
-        if tokens[0, 0] == MARK:
+    def prefill(params, tokens, lengths, **kw):
+        if (tokens[:, 0] == MARK).any():
             raise RuntimeError("prefill fault")
-        return real(params, tokens, length, **kw)
+        return real(params, tokens, lengths, **kw)
 
-    monkeypatch.setattr(engine_module, "_prefill_row", prefill)
+    monkeypatch.setattr(engine_module, "_prefill_batch", prefill)
     e = engine(params, "full")
     ok, bad = prompt(20, seed=6), [MARK, *prompt(9, seed=7)]
     h_ok = e.submit(ok, max_new_tokens=10)
@@ -279,6 +279,40 @@ def test_a_fault_in_one_requests_prefill_ends_that_request_only(params, monkeypa
         list(h_bad)
     assert h_ok.finish_reason == "length" and h_ok.result() == alone(params, "full", ok, 10)
     assert e.stats().requests_finished == {"error": 1, "length": 1}
+    # Batched: prompts of <= 64 tokens, two a call (2 x 64 = prefill_chunk); the fault ends
+    # the requests of its call only.
+    e = engine(params, "full", slots=4, prefill_chunk=64 * 2)
+    ids = [bad, prompt(12, seed=8), ok, prompt(30, seed=9)]
+    h = [e.submit(x, max_new_tokens=6) for x in ids]
+    while e.step():
+        pass
+    assert [x.finish_reason for x in h] == ["error", "error", "length", "length"]
+    assert [x.result() for x in h[2:]] == [alone(params, "full", x, 6) for x in ids[2:]]
+    assert e.stats().prefill_calls == 1  # the failed call is not counted
+
+
+def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(params):
+    """Eight prompts of 5-60 tokens (bucket 64) with prefill_chunk 256: four rows a call, so
+    two prefill calls, each request with the tokens of its prompt alone; a prompt arriving
+    alone then runs at its own width (one row). prompt_tokens_computed counts the real
+    tokens, not the padding."""
+    e = engine(params, "kivi2", slots=8, prefill_chunk=256)
+    lengths = [5, 60, 17, 33, 48, 9, 64, 21]
+    ids = [prompt(n, seed=30 + i) for i, n in enumerate(lengths)]
+    h = [e.submit(x, max_new_tokens=5) for x in ids]
+    e.step()
+    assert e.stats().prefill_calls == 1 and e.stats().live_slots == 4  # the first four
+    while e.step():
+        pass
+    stats = e.stats()
+    assert stats.prefill_calls == 2 and stats.prompt_tokens_computed == sum(lengths)
+    assert [x.result() for x in h] == [alone(params, "kivi2", x, 5) for x in ids]
+    late = e.submit(prompt(70, seed=40), max_new_tokens=5)  # bucket 128: alone, one row
+    while e.step():
+        pass
+    assert late.result() == alone(params, "kivi2", prompt(70, seed=40), 5)
+    assert e.stats().prefill_calls == 3
+    assert e.stats().prompt_tokens_computed == sum(lengths) + 70
 
 
 def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monkeypatch):
@@ -465,7 +499,7 @@ def test_a_chunked_prompt_gives_the_logits_and_state_of_one_prefill(params):
     n = 70
     ids = np.zeros((1, 128), np.int32)
     ids[0, :n] = prompt(n, seed=20)
-    whole, states = engine_module._prefill_row(
+    (whole,), (states,) = engine_module._prefill_batch(
         params, ids, np.array([n], np.int32), kv=engine_module.resolve_kv("kivi2"), max_len=128
     )
     e = engine(params, "kivi2")
@@ -499,7 +533,7 @@ def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
     assert e._state is None  # nothing allocated yet
     before = len(compiled)
     e.warmup()  # allocates the state (small programs of its own) and compiles nothing else
-    names = ["_prefill_row", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode"]
+    names = ["_prefill_batch", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode"]
     programs = {f"jit({name})" for name in names}
     assert programs.isdisjoint(compiled[before:]) and e.memory_plan == plan
     h = e.submit(prompt(20, seed=1), max_new_tokens=5)

@@ -5,8 +5,10 @@ The device side is a few pure jitted functions over `SlotState` (the KV state of
 and each row's sampling values, counters, stop ids and token counts), each donating the state so
 that it is updated in place:
 
-    _prefill_row    a prompt of at most prefill_chunk tokens (padded to a PROMPT_BUCKET
-                    multiple) -> its logits and a one-row KV state (llama.prefill)
+    _prefill_batch  waiting prompts of at most prefill_chunk tokens each, as the rows of one
+                    padded batch [N, W] (W a prompt bucket, N * W <= prefill_chunk per "data"
+                    shard, or one prompt alone) -> each prompt's logits and one-row KV state
+                    (llama.prefill)
     _prefill_chunk  a longer prompt, one chunk per call: full-precision attention over the
                     prompt so far (a full-precision K/V scratch), K/V added to a one-row state
     _echo_chunk     _prefill_chunk that also returns the logprobs of the chunk's prompt tokens
@@ -34,7 +36,9 @@ every state array holds its KV heads split over "model" and its slots over "data
 has it), the prefill scratch likewise, and each program above returns the state in those
 shardings. The one-row programs (a prompt's prefill, its chunks, its one-row state) run on one
 row per "data" shard, each the same prompt, so that each device holds a row's share of KV heads
-and none waits for another; the insert takes the first.
+and none waits for another; the insert takes the first. A batch of short prompts runs as rows
+split over "data" (a multiple of its size): each device prefills its share of the prompts, and
+each prompt's one-row state is then that row on every "data" shard.
 """
 
 from __future__ import annotations
@@ -223,20 +227,39 @@ def _put_row(state, row, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("kv", "max_len"))
-def _prefill_row(params, tokens, length, *, kv, max_len):
-    """tokens int32 [R, W] (right-padded), length int32 [R] -> (logits [R, V], the prompt's
-    state of R rows); R = _prompt_rows, each row the same prompt."""
-    return llama.prefill(params, tokens, length, _empty_row(params, kv=kv, max_len=max_len))
+def _prefill_batch(params, tokens, lengths, *, kv, max_len):
+    """tokens int32 [N, W] (one prompt a row, right-padded; rows past the real prompts are
+    padding), lengths int32 [N] -> (per row its logits [R, V], per row its state of R rows:
+    the one-row format of the chunk program and _insert_row, R = _prompt_rows, the row
+    repeated)."""
+    N, R = tokens.shape[0], _prompt_rows(params)
+    caches = _sharded_rows(params, _empty_caches(params, kv, N, max_len))
+    logits, caches = llama.prefill(params, tokens, lengths, caches)
+
+    def row(tree, i):
+        take = lambda x: jnp.repeat(jax.lax.slice_in_dim(x, i, i + 1, axis=BATCH_AXIS), R, axis=0)
+        return jax.tree.map(take, tree)
+
+    states = tuple(_sharded_rows(params, row(caches, i)) for i in range(N))
+    logits = tuple(row(logits, i) for i in range(N))
+    if params.mesh is not None:  # as the chunk program returns them
+        rows = NamedSharding(params.mesh, sharding.rows_spec(params.mesh))
+        logits = jax.lax.with_sharding_constraint(logits, (rows,) * N)
+    return logits, states
+
+
+def _sharded_rows(params, caches):
+    """Inside jit: on a mesh, `caches` in sharding.cache_sharding (rows over "data")."""
+    if params.mesh is None:
+        return caches
+    return jax.lax.with_sharding_constraint(caches, sharding.cache_sharding(caches, params.mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("kv", "max_len"))
 def _empty_row(params, *, kv, max_len):
     """The empty state of a prompt's rows; on a mesh in the shardings the chunk program
     returns (sharding.cache_sharding), so that every chunk of a prompt runs one program."""
-    caches = _empty_caches(params, kv, _prompt_rows(params), max_len)
-    if params.mesh is None:
-        return caches
-    return jax.lax.with_sharding_constraint(caches, sharding.cache_sharding(caches, params.mesh))
+    return _sharded_rows(params, _empty_caches(params, kv, _prompt_rows(params), max_len))
 
 
 _prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
@@ -335,7 +358,9 @@ class EngineStats:
     prefill_scratch_bytes: int  # the full-precision K/V of a chunked prompt (+ its one-row state)
     requests_finished: dict[str, int]  # by finish_reason
     generated_tokens: int
-    prompt_tokens: int  # prefilled
+    prompt_tokens: int  # prefilled (of the requests submitted)
+    prompt_tokens_computed: int  # real prompt tokens run through the model (padding not counted)
+    prefill_calls: int  # jitted prefill calls: batches of short prompts and chunks
     decode_calls: int  # jitted calls of decode_steps steps
 
 
@@ -510,8 +535,10 @@ class Engine:
         memory beside what is already on it (the programs are compiled first to count their
         temporaries: memory_plan).
       max_len: tokens a slot holds (prompt + max_new_tokens of each request).
-      prefill_chunk: prompts up to this long are prefilled in one call; longer ones in chunks
-        of this many tokens, one chunk per scheduler step between decode calls.
+      prefill_chunk: prompt tokens prefilled per scheduler step (per "data" shard of a mesh):
+        prompts up to this long are prefilled whole, several waiting ones as the rows of one
+        call (rows x their bucket's width <= prefill_chunk); longer ones in chunks of this many
+        tokens, one chunk per scheduler step between decode calls.
       max_queue: requests that may wait for a slot; one more is a QueueFullError.
       eos_id: a token that ends every request (finish_reason "stop").
       decode_steps: decode steps per jitted call (tokens are read back once per call).
@@ -575,11 +602,13 @@ class Engine:
             functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
         )
         d = self._rows_per_device
+        # the one-row states on a device at once: a batch's (one per row) and a long prompt's
+        rows = self._batch_rows(PROMPT_BUCKET, 2 * d) + 1
         self._plan = MemoryPlan(
             limit=sizing.device_limit(self._devices, memory_budget),
             in_use=sizing.device_in_use(self._devices, params),
             slot=sizing.device_bytes(self._abstract_state(d)),  # d slots: one on each device
-            scratch=sizing.device_bytes(self._scratch_spec) + sizing.device_bytes(row) // d,
+            scratch=sizing.device_bytes(self._scratch_spec) + rows * sizing.device_bytes(row) // d,
             programs=0,
             slots=0 if slots is None else int(slots) // d,
         )
@@ -592,8 +621,9 @@ class Engine:
         self._state: SlotState | None = None  # allocated by warmup() or the first step
         self._scratch: tuple | None = None
         self._slot_bytes = memory_report(self._state_spec.caches).total_bytes
-        self._scratch_bytes = sum(
-            x.size * x.dtype.itemsize for x in jax.tree.leaves((self._scratch_spec, row))
+        self._scratch_bytes = (
+            sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self._scratch_spec, row)))
+            + (rows - 1) * memory_report(row).total_bytes
         )
         self._lock = threading.Lock()  # the queue, the slots, the counters
         self._step_lock = threading.Lock()  # one scheduler step at a time
@@ -606,6 +636,7 @@ class Engine:
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
+        self._computed = self._prefill_calls = 0
         self._accepting, self._thread, self._running = True, None, False
         self.failure: BaseException | None = None  # the fault the engine could not recover from
 
@@ -801,6 +832,8 @@ class Engine:
                 requests_finished=dict(self._finished),
                 generated_tokens=self._generated,
                 prompt_tokens=self._prompted,
+                prompt_tokens_computed=self._computed,
+                prefill_calls=self._prefill_calls,
                 decode_calls=self._decode_calls,
             )
 
@@ -864,13 +897,14 @@ class Engine:
         r = _prompt_rows(p)
         empty = self._compile("empty_row", _empty_row, p, kv=kv, max_len=L)
         for w in self._buckets():
-            logits, row = self._compile(f"prefill_row[{w}]", _prefill_row, p, _i32(r, w),
-                                        _i32(r), kv=kv, max_len=L)  # fmt: skip
+            for n in sorted({self._batch_rows(w, 1), self._batch_rows(w, 2 * r)}):
+                logits, rows = self._compile(f"prefill_batch[{n}x{w}]", _prefill_batch, p,
+                                             _i32(n, w), _i32(n), kv=kv, max_len=L)  # fmt: skip
         chunk = (p, _i32(r, C), _i32(), _i32(r), self._scratch_spec, empty)
         if L > C:  # a prompt may need chunks
             self._compile(f"prefill_chunk[{C}]", _prefill_chunk, *chunk)
         self._compile(f"echo_chunk[{C}]", _echo_chunk, *chunk, _i32(r, C))
-        return row, logits
+        return rows[0], logits[0]
 
     def _compile_slot_programs(self, slots: int, row, logits) -> None:
         """insert (greedy, sampled), decode (each with or without extras) and reset for a
@@ -942,6 +976,17 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(w for w in self._buckets() if w >= n)
 
+    def _batch_rows(self, width: int, prompts: int) -> int:
+        """Rows of the batched prefill of `prompts` prompts at `width`: one per "data" shard
+        while they fit (one prompt alone computes only its width), else as many per shard as
+        fit prefill_chunk (two programs a width)."""
+        d = _prompt_rows(self.params)
+        return d if prompts <= d else d * max(1, self.prefill_chunk // width)
+
+    def _is_long(self, h: RequestHandle) -> bool:
+        """Prefilled in chunks: longer than prefill_chunk, or its prompt's logprobs asked."""
+        return len(h._prompt) > self.prefill_chunk or h._prompt_logprobs
+
     def _busy(self) -> bool:
         with self._lock:
             return bool(self._queue or self._events or any(self._occupant))
@@ -973,6 +1018,8 @@ class Engine:
             self._free(slot)
 
     def _admit(self) -> None:
+        """Prefills up to prefill_chunk prompt tokens (per "data" shard): the waiting short
+        prompts in FIFO order as one batched call while they fit, or one chunk of a long one."""
         budget = self.prefill_chunk
         while budget > 0:
             if self._long is not None:
@@ -982,28 +1029,61 @@ class Engine:
                 free = [s for s, o in enumerate(self._occupant) if o is None]
                 if not free or not self._queue:
                     return
-                h = self._queue.popleft()
-                slot = free[0]
-                self._occupant[slot] = h
-            n = len(h._prompt)
-            if n > self.prefill_chunk or h._prompt_logprobs:
-                try:
-                    row = self._new_row()
-                except Exception as e:
-                    self._request_fault(h, slot, e)
-                    continue
-                self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
+                if self._is_long(self._queue[0]):
+                    h, slot, batch = self._queue.popleft(), free[0], None
+                    self._occupant[slot] = h
+                else:
+                    batch = self._take_batch(free, budget)
+            if batch is not None:
+                budget -= self._prefill(batch)
                 continue
-            width, r = self._bucket(n), _prompt_rows(self.params)
-            tokens = np.zeros((r, width), np.int32)
-            tokens[:, :n] = h._prompt
             try:
-                logits, row = _prefill_row(self.params, tokens, np.full(r, n, np.int32),
-                                           kv=self.kv, max_len=self.max_len)  # fmt: skip
-                self._insert(h, slot, row, logits)
+                row = self._new_row()
             except Exception as e:
                 self._request_fault(h, slot, e)
-            budget -= width
+                continue
+            self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
+
+    def _take_batch(self, free: list[int], budget: int) -> list[tuple[RequestHandle, int]]:
+        """(Under the lock.) The short prompts at the queue's head that one batched call of at
+        most `budget` tokens per "data" shard holds (at least one), each given a free slot."""
+        d, batch, longest = _prompt_rows(self.params), [], 0
+        while self._queue and len(batch) < len(free) and not self._is_long(self._queue[0]):
+            n = max(longest, len(self._queue[0]._prompt))
+            if batch and len(batch) >= d * max(1, budget // self._bucket(n)):
+                break
+            h, slot, longest = self._queue.popleft(), free[len(batch)], n
+            self._occupant[slot] = h
+            batch.append((h, slot))
+        return batch
+
+    def _prefill(self, batch: list[tuple[RequestHandle, int]]) -> int:
+        """One _prefill_batch call of the batch's prompts, then each inserted into its slot.
+        A fault in the call ends the batch's requests; in an insert, that request's. Returns
+        the call's tokens per "data" shard."""
+        width = self._bucket(max(len(h._prompt) for h, _ in batch))
+        rows = self._batch_rows(width, len(batch))
+        tokens, lengths = np.zeros((rows, width), np.int32), np.ones(rows, np.int32)
+        for i, (h, _) in enumerate(batch):
+            tokens[i, : len(h._prompt)], lengths[i] = h._prompt, len(h._prompt)
+        cost = rows // _prompt_rows(self.params) * width
+        try:
+            logits, states = _prefill_batch(self.params, tokens, lengths, kv=self.kv,
+                                            max_len=self.max_len)  # fmt: skip
+        except Exception as e:
+            for h, slot in batch:
+                self._request_fault(h, slot, e)
+            return cost
+        self._prefill_calls += 1
+        self._computed += int(lengths[: len(batch)].sum())
+        for (h, slot), row_logits, row in zip(batch, logits, states, strict=False):
+            if h.done:  # ended by a fault of the state in an earlier insert
+                continue
+            try:
+                self._insert(h, slot, row, row_logits)
+            except Exception as e:
+                self._request_fault(h, slot, e)
+        return cost
 
     def _chunk(self) -> None:
         lp, C = self._long, self.prefill_chunk
@@ -1023,6 +1103,8 @@ class Engine:
                 jax.tree.map(lambda x: x.copy_to_host_async(), scores)
             else:
                 logits, self._scratch, lp.caches = _prefill_chunk(*args)
+            self._prefill_calls += 1
+            self._computed += len(part)
             offset, lp.offset = lp.offset, lp.offset + len(part)
             last = lp.offset == len(h._prompt)
             if h._prompt_logprobs:
