@@ -477,11 +477,13 @@ def test_a_model_has_its_own_card(server):
 
 
 def test_null_fields_are_fields_left_out(server):
-    """max_tokens null in a completion is its default, 16 (not what the slot has left); a chat
-    message may carry a name."""
+    """Every field sent as null takes its default: max_tokens in a completion 16 (not what the
+    slot has left), top_p 1, no stop, one choice, not streamed; a chat message may carry a
+    name."""
     ask = lambda body: json.loads(_http(server.base, "/v1/completions", body)[2])
     left_out = ask({"prompt": "the end is near", "temperature": 0})
-    null = ask({"prompt": "the end is near", "temperature": 0, "max_tokens": None})
+    nulls = dict.fromkeys(["max_tokens", "top_p", "stop", "n", "stream", "seed", "logprobs"])
+    null = ask({"prompt": "the end is near", "temperature": 0, **nulls})
     assert null["choices"] == left_out["choices"] and null["usage"] == left_out["usage"]
     assert null["usage"]["completion_tokens"] <= 16
     named = {"role": "user", "content": "hi", "name": "ada"}
@@ -869,3 +871,11 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
     assert server.proc.wait(60) == 0
     with pytest.raises(OSError):
         _http(server.base, "/health", timeout=5)
+
+
+def test_an_ipv6_host_is_bound_on_an_ipv6_socket():
+    """`--host ::1` (or `::`) listens as uvicorn would, on an IPv6 socket (loopback only)."""
+    from kivi_jax.serving.server import _listen
+
+    with _listen("::1", 0) as sock:
+        assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"

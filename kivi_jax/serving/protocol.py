@@ -14,7 +14,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # The most stop strings a request may give (OpenAI's limit).
 MAX_STOP_STRINGS = 4
@@ -75,6 +82,15 @@ class _Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag; accepted, not used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, body):
+        """A field sent as null takes its default, as if left out (OpenAI's fields are
+        nullable: clients send `"temperature": null`)."""
+        if isinstance(body, dict):
+            return {k: v for k, v in body.items() if v is not None}
+        return body
 
     @field_validator(
         "temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty",

@@ -601,9 +601,11 @@ def uvicorn_server(app: FastAPI, **config) -> uvicorn.Server:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads (a port in use fails at once)."""
+    """The listening socket, bound before the model loads (a port in use fails at once); an
+    IPv6 address (`::`, `::1`) on an IPv6 socket, as uvicorn binds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port))
+        return socket.create_server((host, port), family=family)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
