@@ -315,20 +315,27 @@ def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(p
     assert e.stats().prompt_tokens_computed == sum(lengths) + 70
 
 
+def fails_at_call(real, n: int, message: str):
+    """`real`, raising RuntimeError(message) at its n-th call (1-based) instead of running."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
 def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monkeypatch):
     """The decode call fails once while a long prompt is between its chunks and another
     request waits: the decoding request ends with the fault; the state is rebuilt; the long
     prompt (its own one-row state) and the waiting request then get the tokens of their
     prompts alone."""
-    real, calls = engine_module._decode, []
-
-    def decode(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("decode fault")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "_decode", decode)
+    monkeypatch.setattr(
+        engine_module, "_decode", fails_at_call(engine_module._decode, 2, "decode fault")
+    )
     e = engine(params, "full")
     ids = {"running": prompt(20, seed=8), "long": prompt(70, seed=9), "queued": prompt(9, 10)}
     running = e.submit(ids["running"], max_new_tokens=30)
@@ -347,15 +354,9 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
 def test_a_reset_fault_ends_the_states_requests_and_the_engine_serves_on(params, monkeypatch):
     """Freeing a finished request's slot fails (the donated state is lost): the requests the
     state held end with the fault, the state is rebuilt, and the next request is served."""
-    real, calls = engine_module._reset, []
-
-    def reset(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("reset fault")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "_reset", reset)
+    monkeypatch.setattr(
+        engine_module, "_reset", fails_at_call(engine_module._reset, 1, "reset fault")
+    )
     e = engine(params, "full")
     short, long = (
         e.submit(prompt(9, seed=13), max_new_tokens=2),
