@@ -222,9 +222,10 @@ def test_decode_step_scratch_is_one_matrix_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [8, 4])
-def test_decode_step_dequantizes_into_the_gemm_on_the_gpu(bits):
-    """No full-precision copy of a weight per step: the compiled step's scratch is far below
-    its smallest dequantized matrix, and no fusion outside a GEMM outputs a bf16 weight."""
+def test_decode_step_reads_the_quantized_weights_in_the_kernel_on_the_gpu(bits):
+    """No full-precision copy of a weight per step: every linear layer runs the fused kernel
+    (pallas_kernels/matmul), the compiled step's scratch is far below its smallest dequantized
+    matrix, and no fusion outputs a bf16 weight."""
     import re
 
     from kivi_jax.models.config import LlamaConfig
@@ -245,7 +246,9 @@ def test_decode_step_dequantizes_into_the_gemm_on_the_gpu(bits):
     assert compiled.memory_analysis().temp_size_in_bytes < smallest / 4
     shapes = {f"bf16[{a},{b}]" for a, b in [(2048, 3072), (2048, 2048), (2048, 16384),
                                              (8192, 2048), (2048, 4096)]}  # fmt: skip
-    entry = compiled.as_text().split("\nENTRY", 1)[1]
+    text = compiled.as_text()
+    assert text.count("quantized_matmul") >= 2 * 4 + 1  # 4 linear layers a block + lm_head
+    entry = text.split("\nENTRY", 1)[1]
     for line in entry.splitlines():
         m = re.match(r"\s*%\S+ = (bf16\[[0-9,]+\])", line)
         assert not (m and m.group(1) in shapes and "parameter(" not in line), line
