@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kivi_jax.pallas_kernels.matmul.gpu import Tiling, default_tiling, quantized_matmul
+from kivi_jax.pallas_kernels.matmul.gpu import Tiling, default_tiling, quantized_matmul, row_step
 from timing import interleaved, kernel_totals, measure_read_bandwidth, traced_by_entry
 
 from kivi_jax.weights import QuantizedWeight, dequantize, quantize_matrix, storage_bits
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
                 runs[(fmt, "kernel", None)] = (kernel(), (x, w))
                 if gpu and b in (args.sweep or ()):
                     for t in TILINGS:
-                        if k % (t.splits * (128 if w.group == k else w.group)) == 0:
+                        if k % (t.splits * row_step(k, w.group, t.block_k)) == 0:
                             runs[(fmt, "kernel", t)] = (kernel(t), (x, w))
             times = interleaved(runs, rounds=args.rounds)[0] if gpu else {}
             live = {

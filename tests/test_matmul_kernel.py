@@ -13,6 +13,7 @@ from kivi_jax.pallas_kernels.matmul.gpu import (
     Tiling,
     default_tiling,
     quantized_matmul,
+    row_step,
     unsupported_reason,
 )
 
@@ -46,6 +47,7 @@ CASES = {
     "int4 groups of 32, split K": (16, 256, 128, ("quantize", 4, 32), Tiling(64, splits=2)),
     "int4 one row": (1, 128, 64, ("quantize", 4, 64), None),
     "int4 per channel with zero": (5, 256, 64, ("quantize", 4, 256), None),
+    "int8 per channel, K = 576": (2, 576, 64, ("quantize", 8, None), None),
     "Q8_0 blocks": (33, 128, 64, ("gguf", jnp.int8, False), None),
     "Q4_0 blocks": (64, 128, 128, ("gguf", jnp.int4, False), Tiling(128, splits=4)),
     "Q4_1 blocks": (7, 128, 64, ("gguf", jnp.int4, True), None),
@@ -72,12 +74,13 @@ def test_kernel_matches_the_stored_weights_product(case):
 
 
 def test_default_tiling_fills_the_gpu_and_divides_k():
-    shapes = [(4096, 28672, 32), (14336, 4096, 32), (4096, 6144, 4096), (4096, 4096, 128)]
+    shapes = [(4096, 28672, 32), (14336, 4096, 32), (4096, 6144, 4096), (576, 1536, 576)]
     for k, n, group in shapes:
         t = default_tiling(k, n, group)
-        step = 128 if group == k else group
+        step = row_step(k, group, t.block_k)
         assert n % t.block_n == 0 and k % (t.splits * step) == 0
-        assert (n // t.block_n) * t.splits >= 132 or k // (t.splits * step) < 8
+        more = 2 * t.splits * step  # rows per split were K split twice as often
+        assert (n // t.block_n) * t.splits >= 2 * 132 or k % more or k // more < 4
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,9 @@ MAX_ROWS = 64
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """block_n columns per program, block_k rows per loop step (per-channel scales only; grouped
-    weights step one group), splits of K across programs, Triton's warps and pipeline stages."""
+    """block_n columns per program, at most block_k rows per loop step (per-channel scales only;
+    grouped weights step one group), splits of K across programs, Triton's warps and pipeline
+    stages."""
 
     block_n: int = 128
     block_k: int = 128
@@ -50,7 +51,7 @@ def default_tiling(k: int, n: int, group: int, *, sms: int = 132) -> Tiling:
     """Enough programs to fill the SMs twice: columns in blocks of 128 (64 for narrow N), K split
     while fewer than 2 x sms programs and each split keeps at least 4 steps of its loop."""
     block_n = 128 if n % 128 == 0 and n // 128 >= sms // 2 else 64
-    step = 128 if group == k else group
+    step = row_step(k, group, 128)
     splits = 1
     while (
         (n // block_n) * splits < 2 * sms
@@ -59,6 +60,14 @@ def default_tiling(k: int, n: int, group: int, *, sms: int = 132) -> Tiling:
     ):
         splits *= 2
     return Tiling(block_n=block_n, block_k=128, splits=splits)
+
+
+def row_step(k: int, group: int, block_k: int) -> int:
+    """Rows a loop step reads: one row group, or (one scale per column) the largest power of two
+    up to block_k that divides K."""
+    if group != k:
+        return group
+    return max(s for s in (16, 32, 64, 128, 256) if s <= max(block_k, 16) and k % s == 0)
 
 
 def unsupported_reason(m: int, k: int, n: int, group: int, qdtype, xdtype) -> str | None:
@@ -76,8 +85,8 @@ def unsupported_reason(m: int, k: int, n: int, group: int, qdtype, xdtype) -> st
         return f"N = {n} is not a multiple of 64"
     if group != k and (group < 16 or group & (group - 1)):
         return f"row groups of {group}: the kernel takes a power of two >= 16, or one per column"
-    if group == k and k % 128:
-        return f"K = {k} is not a multiple of 128"
+    if group == k and k % 16:
+        return f"K = {k} is not a multiple of 16"
     return None
 
 
@@ -133,7 +142,7 @@ def quantized_matmul(
         raise ValueError(f"quantized_matmul: {reason}")
     t = tiling or default_tiling(k, n, group)
     per_channel = group == k
-    step = t.block_k if per_channel else group
+    step = row_step(k, group, t.block_k)
     if k % (t.splits * step):
         raise ValueError(f"K = {k} does not split into {t.splits} x steps of {step}")
     mp = _padded_rows(m)
