@@ -29,7 +29,7 @@ from timing import interleaved, kernel_totals, measure_read_bandwidth, traced_by
 from kivi_jax.weights import QuantizedWeight, dequantize, quantize_matrix, storage_bits
 
 # Llama-3-8B's linear layers [in, out] (w_qkv, wo, w_gate_up, w_down).
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
 SMOKE_SHAPES = {"gate_up": (256, 512)}
 # (format, bits, group): int8 per channel, int4 in groups of 32 (a GGUF's Q4_1) and 128.
 FORMATS = (("int8", 8, None), ("int4 g32", 4, 32), ("int4 g128", 4, 128))
@@ -140,11 +140,15 @@ def main(argv=None) -> None:
                       f"{row['pct_floor'] or 0:5.1f}% err {row['rel_err']:.1e}"
                       + (f" best {row['best_us']:.1f} {row['best_tiling']}" if "best_us" in row
                          else ""), flush=True)  # fmt: skip
+        save(args.out, bw, rows)  # after each layer: a run cut short keeps what it measured
+
+
+def save(out: Path, bw: float, rows: list) -> None:
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   read_gbps=bw / 1e9, rows=rows)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "matmul.json").write_text(json.dumps(result, indent=1))
-    (args.out / "matmul.md").write_text(markdown(result))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matmul.json").write_text(json.dumps(result, indent=1))
+    (out / "matmul.md").write_text(markdown(result))
 
 
 def markdown(result: dict) -> str:
