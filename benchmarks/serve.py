@@ -8,11 +8,12 @@ drawn uniformly from the given ranges with a fixed seed (or read from a JSON fil
 output] pairs); the run ends when all of them have finished. Per rate:
 requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
 mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
-rate (prompt tokens/s of requests run alone) and the decode rate with every slot live, from
+rate (prompt tokens/s of requests run alone) and the decode rate with every slot live (the
+engine's decode program at the mean context, `decode_rate`), from
 which the saturation throughput is predicted (`predicted_out_tok_per_s`, the engine spending
 P/prefill + O/decode seconds per request of P prompt and O output tokens, the mean lengths);
-and, at a fixed batch with no arrivals mid-run, the engine's decode tokens/s beside `generate`'s
-on the same batch (both the wall-clock of the decode phase).
+and, at a fixed batch, the engine's decode tokens/s beside `generate`'s on the same batch (the
+wall-clock of each one's decode program; `decode_rate` says why not of requests).
 
     python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
     python benchmarks/serve.py run --model default --slots 8 --requests 8 --rates seq inf \\
@@ -209,47 +210,67 @@ def prefill_rate(engine, vocab: int, length: int, n: int, seed: int) -> float:
     return n * length / (time.perf_counter() - t0)
 
 
-def traced_step(engine) -> dict:
-    """Two scheduler steps under a GPU trace: {kernel: [launches, ms]} summed by name (the
-    largest 20), with "span_ms" the first kernel's start to the last kernel's end."""
-    import tempfile
-
+def _occupied(state, live: int, length: int):
+    """An engine's state with slots [0, live) decoding at `length` tokens of context and the
+    rest free, in the state's own shardings (so its compiled decode program takes it). The
+    caches' contents stay as they are: the program's time does not depend on the values."""
     import jax
-    from timing import gpu_kernels, kernel_totals, span_seconds
+    import jax.numpy as jnp
 
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            engine.step()
-            engine.step()  # the call read back: the first step's decode call has finished
-        events = gpu_kernels(d)
-    if not events:
-        return {}
-    totals = list(kernel_totals(events).items())[:20]
-    return dict(span_ms=span_seconds(events) * 1e3,
-                kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    def fill(state):
+        active = jnp.arange(state.active.shape[0]) < live
+        lengths = jnp.where(active, length, 0).astype(jnp.int32)
+        caches = tuple(dataclasses.replace(c, lengths=lengths) for c in state.caches)
+        return dataclasses.replace(
+            state, caches=caches, active=active, count=jnp.zeros_like(state.count),
+            limit=jnp.full_like(state.limit, 1 << 30),
+        )  # fmt: skip
+
+    where = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(fill, out_shardings=where, donate_argnums=0)(state)
 
 
-def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: int,
-                trace: dict | None = None) -> float:  # fmt: skip
-    """Decode tokens/s of `batch` requests of `length` prompt tokens, timed from the step at
-    which all of them hold their first token to the end (the wall-clock of the decode phase).
-    `trace` (a dict), on a GPU, gets traced_step's kernels of two steps taken first."""
+def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict | None = None):
+    """Decode tokens/s of the engine's own decode program (the one its scheduler calls, of
+    `decode_steps` steps) with `live` of its slots decoding at `length` tokens of context:
+    the wall-clock of `calls` calls after a first one, on the engine's state with those slots
+    made active in place (benchmark-only access to the engine's state; freed again after).
+    Real requests cannot measure this: admitting S prompts of `length` tokens takes S or more
+    scheduler steps, during which the first ones decode and finish, so a wall-clock over
+    requests never has every slot live (the measure this replaced reported the tail of a few
+    live requests: 703 tok/s on the H100 at 167 slots, docs/serving.md). `trace` (a dict), on
+    a GPU, gets the kernels of one call summed by name and its GPU span."""
     import jax
+    from timing import gpu_kernels, kernel_totals, span_seconds, split_runs
 
-    from kivi_jax.generate import Sampling
+    from kivi_jax.serving.engine import _decode
 
-    rng = np.random.default_rng(seed + 3)
-    hs = [
-        engine.submit(prompt(rng, vocab, length), Sampling(), max_new_tokens=new)
-        for _ in range(batch)
-    ]
-    step_until(engine, lambda: all(h.first_token_time is not None for h in hs))
-    if trace is not None and jax.default_backend() == "gpu":
-        trace.update(traced_step(engine))
-    before = engine.stats().generated_tokens
+    engine._allocate()
+    state = _occupied(engine._state, live, length)
+    call = lambda s: _decode(
+        engine.params, s, steps=engine.decode_steps, sampled=False, extras=False
+    )[:2]
+    state, out = call(state)  # compiled by warmup(): this one runs it once
+    jax.block_until_ready(out)
     t0 = time.perf_counter()
-    step_until(engine, lambda: all(h.done for h in hs))
-    return (engine.stats().generated_tokens - before) / (time.perf_counter() - t0)
+    for _ in range(calls):
+        state, out = call(state)
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - t0) / calls
+    if trace is not None and jax.default_backend() == "gpu":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                state, out = call(state)
+                jax.block_until_ready(out)
+            runs = split_runs(gpu_kernels(d))
+        if runs:
+            totals = list(kernel_totals(runs[0]).items())[:20]
+            trace.update(span_ms=span_seconds(runs[0]) * 1e3, live=live, length=length,
+                         kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    engine._state = _occupied(state, 0, 0)
+    return live * engine.decode_steps / seconds
 
 
 def generate_decode_rate(params, vocab: int, kv: str, *, batch: int, length: int, new: int,
@@ -328,10 +349,7 @@ def measure_kv(args, save=None) -> dict:
               file=sys.stderr, flush=True)  # fmt: skip
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
     trace: dict = {}
-    decode = decode_rate(
-        engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed,
-        trace=trace,
-    )  # fmt: skip
+    decode = decode_rate(engine, live=slots, length=int(mean_p + mean_o / 2), trace=trace)
     for name, (n, ms) in list(trace.get("kernels", {}).items())[:8]:
         print(f"  decode step kernels: {name[:60]} x{n} {ms:.2f} ms", file=sys.stderr, flush=True)
     rates = dict(
@@ -343,8 +361,10 @@ def measure_kv(args, save=None) -> dict:
           f"predicted {rates['predicted_out_tok_per_s']:.0f} out tok/s", file=sys.stderr,
           flush=True)  # fmt: skip
     overhead = None
-    if args.overhead_batch:
-        eng = decode_rate(engine, vocab, batch=b, length=length, new=new, seed=args.seed)
+    if args.overhead_batch and args.overhead_batch > slots:
+        print(f"  overhead: batch {b} > {slots} slots, not measured", file=sys.stderr)
+    elif args.overhead_batch:
+        eng = decode_rate(engine, live=b, length=length + new // 2)
         overhead = dict(batch=b, prompt=length, new_tokens=new, engine_decode_tok_per_s=eng,
                         generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen)  # fmt: skip
         print(f"  overhead at batch {b}: engine {eng:.0f}, generate {gen:.0f} tok/s",
@@ -563,9 +583,10 @@ def markdown(result: dict) -> str:
     if result.get("overhead"):
         lines += [
             "",
-            "The engine's own overhead: decode tokens/s at a fixed batch, no arrivals mid-run "
-            "(wall-clock of the decode phase, same process; the engine at its full slot count, "
-            "`batch` of them live; generate measured first, before the engine allocates).",
+            "The engine's own overhead: decode tokens/s at a fixed batch (the wall-clock of each "
+            "one's decode program, same process; the engine at its full slot count, `batch` of "
+            "them live at the mean context; generate measured first, before the engine "
+            "allocates).",
             "",
             "| device | model | kv | batch | prompt + new | engine tok/s | generate tok/s "
             "| engine / generate | call |",
