@@ -44,19 +44,26 @@ class Tiling:
     block_k: int = 128
     splits: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
+
+
+# The most K splits default_tiling takes: beyond the sweep's range (benchmarks/matmul.py --sweep).
+MAX_SPLITS = 8
 
 
 def default_tiling(k: int, n: int, group: int, *, sms: int = 132) -> Tiling:
-    """Enough programs to fill the SMs twice: columns in blocks of 128 (64 for narrow N), K split
-    while fewer than 2 x sms programs and each split keeps at least 4 steps of its loop."""
-    block_n = 128 if n % 128 == 0 and n // 128 >= sms // 2 else 64
+    """What the H100 sweep at batch 16 chose on Llama-3-8B's layers (benchmarks/results/matmul.md,
+    best tilings): columns in blocks of 128 (64 where N is not a multiple of 128), K split in
+    two while fewer than 4 x sms programs, up to MAX_SPLITS, each split a whole number of loop
+    steps and at least 4 of them; 4 warps, 3 pipeline stages."""
+    block_n = 128 if n % 128 == 0 else 64
     step = row_step(k, group, 128)
     splits = 1
     while (
-        (n // block_n) * splits < 2 * sms
+        (n // block_n) * splits < 4 * sms
+        and splits < MAX_SPLITS
         and k % (splits * 2 * step) == 0
-        and (k // (splits * 2 * step) >= 4)
+        and k // (splits * 2 * step) >= 4
     ):
         splits *= 2
     return Tiling(block_n=block_n, block_k=128, splits=splits)
