@@ -96,6 +96,8 @@ def fit_of(engine) -> dict:
     plan = engine.memory_plan
     return dict(
         slots=engine.slots,
+        prefill_chunk=engine.prefill_chunk,
+        prefill_budget=engine.prefill_budget,
         limit_gb=None if plan.limit is None else plan.limit / 1e9,
         in_use_gb=plan.in_use / 1e9,
         slot_gb=plan.slot / 1e9,
@@ -325,7 +327,7 @@ def measure_kv(args, save=None) -> dict:
     def new_engine(slots):
         return Engine(
             params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
-            max_queue=1 << 20, memory_budget=budget,
+            prefill_budget=args.prefill_budget, max_queue=1 << 20, memory_budget=budget,
         )  # fmt: skip
 
     mean_p = sum(args.prompt_range) / 2
@@ -677,6 +679,7 @@ def main_parser() -> argparse.ArgumentParser:
     q.add_argument("--lengths", help="JSON file of [prompt, output] pairs instead")
     q.add_argument("--seconds", type=float, help="finite rates: requests over this many seconds")
     q.add_argument("--prefill-chunk", type=int, default=512)
+    q.add_argument("--prefill-budget", type=int, help="prompt tokens a step (the engine's default)")
     q.add_argument("--prefill-requests", type=int, default=4)
     q.add_argument("--overhead-batch", type=int, default=16)
     q.add_argument("--slots", type=int, help="instead of the budget's")

@@ -232,6 +232,7 @@ def test_submit_rejects_what_cannot_run(params):
         (dict(slots=0), "slots must be a positive int"),
         (dict(max_len=1000), "exceeds the model's context"),
         (dict(prefill_chunk=0), "prefill_chunk must be a positive int"),
+        (dict(prefill_budget=-1), "prefill_budget must be a positive int"),
         (dict(kv="kivi3"), "unknown kv"),
         (dict(eos_id=999), "eos_id 999 is outside"),
     ],
@@ -296,7 +297,7 @@ def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(p
     two prefill calls, each request with the tokens of its prompt alone; a prompt arriving
     alone then runs at its own width (one row). prompt_tokens_computed counts the real
     tokens, not the padding."""
-    e = engine(params, "kivi2", slots=8, prefill_chunk=256)
+    e = engine(params, "kivi2", slots=8, prefill_chunk=256, prefill_budget=256)  # a call a step
     lengths = [5, 60, 17, 33, 48, 9, 64, 21]
     ids = [prompt(n, seed=30 + i) for i, n in enumerate(lengths)]
     h = [e.submit(x, max_new_tokens=5) for x in ids]
@@ -313,6 +314,23 @@ def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(p
     assert late.result() == alone(params, "kivi2", prompt(70, seed=40), 5)
     assert e.stats().prefill_calls == 3
     assert e.stats().prompt_tokens_computed == sum(lengths) + 70
+
+
+@pytest.mark.parametrize("chunks_a_step, live_after_two_steps", [(1, 1), (4, 4)])
+def test_a_step_prefills_up_to_its_budget(params, chunks_a_step, live_after_two_steps):
+    """Four prompts of two chunks each: with a budget of one chunk a step the second prompt
+    has not started after two steps; with four chunks a step every slot is filled by then.
+    Either way each request gets the tokens of its prompt alone."""
+    e = engine(params, "kivi2", slots=4, prefill_budget=chunks_a_step * CHUNK)
+    ids = [prompt(2 * CHUNK, seed=50 + i) for i in range(4)]
+    h = [e.submit(x, max_new_tokens=12) for x in ids]  # 3 decode calls: none ends in 2 steps
+    e.step()
+    e.step()
+    assert e.stats().live_slots == live_after_two_steps
+    assert e.stats().prefill_calls == 2 * chunks_a_step
+    while e.step():
+        pass
+    assert [x.result() for x in h] == [alone(params, "kivi2", x, 12) for x in ids]
 
 
 def fails_at_call(real, n: int, message: str):
@@ -336,7 +354,7 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
     monkeypatch.setattr(
         engine_module, "_decode", fails_at_call(engine_module._decode, 2, "decode fault")
     )
-    e = engine(params, "full")
+    e = engine(params, "full", prefill_budget=CHUNK)  # one chunk a step
     ids = {"running": prompt(20, seed=8), "long": prompt(70, seed=9), "queued": prompt(9, 10)}
     running = e.submit(ids["running"], max_new_tokens=30)
     e.step()  # running admitted, decode call 1

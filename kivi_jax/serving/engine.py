@@ -535,10 +535,16 @@ class Engine:
         memory beside what is already on it (the programs are compiled first to count their
         temporaries: memory_plan).
       max_len: tokens a slot holds (prompt + max_new_tokens of each request).
-      prefill_chunk: prompt tokens prefilled per scheduler step (per "data" shard of a mesh):
-        prompts up to this long are prefilled whole, several waiting ones as the rows of one
-        call (rows x their bucket's width <= prefill_chunk); longer ones in chunks of this many
-        tokens, one chunk per scheduler step between decode calls.
+      prefill_chunk: the width of a prefill call (per "data" shard of a mesh): prompts up to
+        this long are prefilled whole, several waiting ones as the rows of one call (rows x
+        their bucket's width <= prefill_chunk); longer ones in chunks of this many tokens.
+      prefill_budget: prompt tokens prefilled per scheduler step (per "data" shard), in calls
+        of prefill_chunk, while requests wait and slots are free (at least one call a step).
+        Default: decode_steps x prefill_chunk, about one chunk per decode step: a step's
+        prefill then costs several times its decode call, so admitting a burst raises the
+        time per output token of the requests decoding meanwhile, but the slots fill (with one
+        chunk a step, an H100 serving 1,280-token prompts kept 13 of 152 slots live:
+        docs/serving.md).
       max_queue: requests that may wait for a slot; one more is a QueueFullError.
       eos_id: a token that ends every request (finish_reason "stop").
       decode_steps: decode steps per jitted call (tokens are read back once per call).
@@ -571,11 +577,16 @@ class Engine:
         decode_steps: int = 8,
         mesh: Mesh | None = None,
         memory_budget: int | None = None,
+        prefill_budget: int | None = None,
     ):
         if not isinstance(params, LlamaParams):
             raise TypeError(f"params must be LlamaParams, got {type(params).__name__}")
         c = params.config
-        optional = {"slots": slots, "memory_budget": memory_budget}  # None: see the doc
+        optional = {
+            "slots": slots,
+            "memory_budget": memory_budget,
+            "prefill_budget": prefill_budget,
+        }
         for name, value in [("max_len", max_len), ("prefill_chunk", prefill_chunk),
                             ("max_queue", max_queue), ("decode_steps", decode_steps),
                             *((k, v) for k, v in optional.items() if v is not None)]:  # fmt: skip
@@ -596,6 +607,7 @@ class Engine:
         self.params, self.kv, self.mesh = params, resolve_kv(kv), mesh
         self.max_len, self.prefill_chunk = int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
+        self.prefill_budget = int(prefill_budget or self.decode_steps * self.prefill_chunk)
         self._rows_per_device = 1 if mesh is None else dict(mesh.shape).get(sharding.DATA_AXIS, 1)
         self._scratch_spec = self._abstract_scratch()
         row = jax.eval_shape(
@@ -1018,13 +1030,15 @@ class Engine:
             self._free(slot)
 
     def _admit(self) -> None:
-        """Prefills up to prefill_chunk prompt tokens (per "data" shard): the waiting short
-        prompts in FIFO order as one batched call while they fit, or one chunk of a long one."""
-        budget = self.prefill_chunk
+        """Prefills up to prefill_budget prompt tokens (per "data" shard) in FIFO order: the
+        waiting short prompts as batched calls of at most prefill_chunk tokens, a long one in
+        chunks."""
+        budget = self.prefill_budget
         while budget > 0:
             if self._long is not None:
                 self._chunk()
-                return
+                budget -= self.prefill_chunk
+                continue
             with self._lock:
                 free = [s for s, o in enumerate(self._occupant) if o is None]
                 if not free or not self._queue:
@@ -1033,7 +1047,7 @@ class Engine:
                     h, slot, batch = self._queue.popleft(), free[0], None
                     self._occupant[slot] = h
                 else:
-                    batch = self._take_batch(free, budget)
+                    batch = self._take_batch(free, min(budget, self.prefill_chunk))
             if batch is not None:
                 budget -= self._prefill(batch)
                 continue

@@ -682,7 +682,17 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         metavar="C",
-        help="prompt tokens prefilled between two decode steps (default: 256)",
+        help="the width of a prefill call: prompts up to C tokens are prefilled whole (several "
+        "as the rows of one call), longer ones in chunks of C (default: 256)",
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prompt tokens prefilled per scheduler step while requests wait and slots are "
+        "free; more fills the slots sooner, at a longer time per output token meanwhile "
+        "(default: 8 x the chunk, about one chunk per decode step)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -717,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model_from_args(args, mesh=mesh)
         engine = Engine(
             model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
-            prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+            prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+            max_queue=args.max_queue,
             eos_id=model.tokenizer.eos_id, mesh=mesh,
             memory_budget=None if args.memory_budget is None else int(args.memory_budget * 1e9),
         )  # fmt: skip
