@@ -697,14 +697,31 @@ def _ordered_sum(x: jax.Array) -> jax.Array:
 
 
 def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
-    """[..., F] values at channel indices [..., F] -> [..., d], zero elsewhere."""
+    """[..., F] values (bool or unsigned) at distinct channel indices [..., F] -> [..., d], zero
+    elsewhere; by comparison with every channel (elementwise, no scatter)."""
+    at = channels.astype(jnp.int32)[..., None] == jnp.arange(d)  # [..., F, d]
+    return jnp.max(jnp.where(at, x[..., None], jnp.zeros((), x.dtype)), axis=-2)
 
-    def one(xx, cc):
-        return jnp.zeros((d,), xx.dtype).at[cc.astype(jnp.int32)].set(xx)
 
-    for _ in range(x.ndim - 1):
-        one = jax.vmap(one)
-    return one(x, channels)
+def _total_order_key(x: jax.Array) -> jax.Array:
+    """float32 x -> int32 keys in the floats' total order (lax.top_k's and lax.sort's: -NaN <
+    -inf < ... < -0 < +0 < ... < +inf < +NaN)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(i < 0, i ^ np.int32(0x7FFFFFFF), i)
+
+
+def _widest_channels(spread: jax.Array, f: int) -> tuple[jax.Array, jax.Array]:
+    """The F channels of largest spread [..., D] float32, as lax.top_k picks them (the floats'
+    total order, ties to the lower channel): (is_fine bool [..., D], channels int32 [..., F]
+    ascending). By counting comparisons (D x D per group), not by a sort."""
+    key = _total_order_key(spread)
+    c = jnp.arange(spread.shape[-1])
+    kc, ko = key[..., :, None], key[..., None, :]  # [..., D (channel), D (other)]
+    ahead = (ko > kc) | ((ko == kc) & (c[None, :] < c[:, None]))
+    is_fine = jnp.sum(ahead, axis=-1) < f  # fewer than F channels rank ahead
+    below = jnp.sum(is_fine[..., None, :] & (c[None, :] < c[:, None]), axis=-1)  # [..., D]
+    nth = is_fine[..., None, :] & (below[..., None, :] == jnp.arange(f)[:, None])  # [..., F, D]
+    return is_fine, jnp.sum(jnp.where(nth, c, 0), axis=-1)
 
 
 def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
@@ -728,8 +745,7 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     fine, fine_scale, _ = quantization.quantize(win, 2 * b, g, axis=2, dtype=dtype)
     grouped = win.astype(jnp.float32).reshape(*win.shape[:2], w // g, g, win.shape[3])
     spread = jnp.max(grouped, axis=3) - jnp.min(grouped, axis=3)  # [B, H, W // G, D]
-    channels = jnp.sort(jax.lax.top_k(spread, f)[1], axis=-1)  # [B, H, W // G, F]
-    is_fine = _put_channels(jnp.ones(channels.shape, bool), channels, win.shape[3])
+    is_fine, channels = _widest_channels(spread, f)  # [B, H, W // G, D], [B, H, W // G, F]
     per_token = lambda x: jnp.repeat(x, g, axis=2)
     codes = jnp.where(per_token(is_fine), fine >> b, codes)
     if quantization.is_float8(dtype):  # exact below the format's largest value, saturated there
@@ -852,6 +868,36 @@ def _merge_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, 
     )
 
 
+def _merge_one_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, n: int):
+    """`_merge_heavy` for one candidate per row (J = 1, a decode step), as selects over the N
+    slots (no sort, no gather): the candidate takes the first empty slot; if none is empty
+    and it scores above the worst slot (lowest score, of equal ones the latest position),
+    the slots after the worst move down one and the candidate takes the last."""
+    score = jnp.where(jnp.isnan(cand_score), jnp.inf, cand_score)  # [B, H, 1]
+    held = side.heavy_pos >= 0  # [B, H, N], the held ones first
+    count = jnp.sum(held, axis=2, keepdims=True)
+    worst = jnp.min(jnp.where(held, side.heavy_score, jnp.inf), axis=2, keepdims=True)
+    i = jnp.arange(n)
+    last_worst = jnp.max(jnp.where(held & (side.heavy_score == worst), i, -1), axis=2)
+    full = count == n
+    enters = valid & (~full | (score > worst))  # [B, H, 1]
+    shift_from = jnp.where(full, last_worst[..., None], n)  # slots from here take the next one's
+    write_at = jnp.where(full, n - 1, count)
+
+    def merged(x, cand):  # x [B, H, N(, D)], cand [B, H, 1(, D)]
+        lift = lambda m: m.reshape(m.shape + (1,) * (x.ndim - 3))
+        nxt = jnp.concatenate([x[:, :, 1:], x[:, :, -1:]], axis=2)  # slot i: slot i + 1's
+        x = jnp.where(lift(enters & (i >= shift_from)), nxt, x)
+        return jnp.where(lift(enters & (i == write_at)), cand, x)
+
+    return dict(
+        heavy_pos=merged(side.heavy_pos, cand_pos),
+        heavy_score=merged(side.heavy_score, score),
+        heavy_k=merged(side.heavy_k, cand_k.astype(side.heavy_k.dtype)),
+        heavy_v=merged(side.heavy_v, cand_v.astype(side.heavy_v.dtype)),
+    )
+
+
 def _extend_kivi(
     cache: KiviCache,
     k: jax.Array,  # [B, H, S, D]
@@ -914,11 +960,13 @@ def _extend_kivi(
         return updated
 
     parts = {}
-    if cfg.sinks:  # the new tokens below S, at slot t
-        at = _drop_unless((t < cfg.sinks) & (t < new[:, None]), t)
+    if cfg.sinks:  # the new tokens below S, at slot t: sink s takes new token s - old
+        j = jnp.arange(cfg.sinks) - old[:, None]  # [B, S]
+        takes = ((j >= 0) & (j < new[:, None] - old[:, None]))[:, None, :, None]
+        at = jnp.clip(j, 0, seq - 1)
         parts |= dict(
-            sink_k=_scatter(side.sink_k, at, k.astype(side.sink_k.dtype), axis=2),
-            sink_v=_scatter(side.sink_v, at, v.astype(side.sink_v.dtype), axis=2),
+            sink_k=jnp.where(takes, _gather(k, at).astype(side.sink_k.dtype), side.sink_k),
+            sink_v=jnp.where(takes, _gather(v, at).astype(side.sink_v.dtype), side.sink_v),
         )
     if fine_lo is not None:
         parts |= dict(
@@ -953,7 +1001,8 @@ def _extend_kivi(
             v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3)
             score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
         h = k.shape[1]
-        parts |= _merge_heavy(
+        merge = _merge_one_heavy if seq == 1 else _merge_heavy
+        parts |= merge(
             side,
             k_leave,
             v_leave,
