@@ -37,9 +37,9 @@ def test_kivi2_mix_step_sorts_nothing_and_scatters_only_its_state_writes(counts)
 
 @pytest.mark.parametrize(
     "kind, bound",
-    [("transpose", 16), ("gather", 14), ("dot_general", 4), ("reduce", 32),
+    [("transpose", 15), ("gather", 14), ("dot_general", 3), ("reduce", 33),
      ("concatenate", 14), ("total", 1150)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 1139; kivi2: 64), a little slack on the total only
+    # the counts at jax 0.10.2 (total: 1142; kivi2: 64), a little slack on the total only
     assert counts["kivi2-mix"][kind] <= bound

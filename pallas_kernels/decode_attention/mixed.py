@@ -58,8 +58,11 @@ def fine_correction(qs, k_scale, fine_codes, fine_channels, *, k_bits: int, grou
     w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
     B, H, n_rep, NG, F = w.shape
     lo = quantization.unpack_codes(fine_codes, k_bits, axis=2).astype(jnp.float32)
-    lo = lo.reshape(B, H, NG, group_size, F)
-    return jnp.einsum("bhrgf,bhgjf->bhrgj", w, lo, precision=_HI).reshape(B, H, n_rep, -1)
+    lo = lo.reshape(B, H, 1, NG, group_size, F)
+    # A sum over the minor axis F, made in the logits' layout (a dot would put the group axis
+    # first: a transpose of [B, H, n_rep, C] after it).
+    corr = jnp.sum(w[:, :, :, :, None] * lo, axis=-1)  # [B, H, n_rep, NG, G]
+    return corr.reshape(B, H, n_rep, -1)
 
 
 def fine_bound(qs, k_scale, fine_channels, *, k_bits: int):
