@@ -10,10 +10,13 @@ channels, 2 query heads each, 256 tokens, bf16):
 * `step`: the StableHLO of one layer's step (kivi_jax.append, then kivi_jax.decode_attention)
   as a GPU runs it: traced with the dispatch seeing a GPU (the fused append where it applies,
   the Pallas kernels) and lowered for "cuda". Operations by kind, before XLA's fusion.
-* `cpu`: the XLA parts of that step compiled for the CPU (the XLA append: on a GPU KIVI-2's
-  is one kernel, a mixed state's is this; and a mixed state's edits of the logits between the
-  attention kernels, `pallas_kernels/decode_attention/mixed.py`): the optimized HLO's fusions,
-  copies and unfused operations. XLA fuses differently on the GPU; the counts compare states.
+* `cpu`: the XLA a mixed state adds to that step, compiled for the CPU: the score of the token
+  leaving the window, between the append and the heavy merge kernels
+  (`kivi_jax.cache._leaving_token_score`), and the edits of the logits
+  between the attention kernels (`pallas_kernels/decode_attention/mixed.py`); and, for
+  comparison, the XLA append of one token (the path off the GPU, where the fused append does
+  not apply): the optimized HLO's fusions, copies and unfused operations. XLA fuses
+  differently on the GPU; the counts compare states.
 
     python benchmarks/decode_ops.py [--out benchmarks/results]   # decode_ops.json and .md
 
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import mixed
 
 import kivi_jax
+from kivi_jax import cache as cache_module
 from kivi_jax.generate import resolve_kv
 
 SHAPE = dict(batch=2, num_kv_heads=2, head_dim=64, max_len=256)
@@ -114,6 +118,24 @@ def cpu_append(kv: str) -> collections.Counter:
     return _optimized_counts(step, _abstract(_state(kv)), q, x, x, donate=True)
 
 
+def cpu_leaving_score(kv: str) -> collections.Counter | None:
+    """A mixed state's score of the token leaving the window (between the append and the
+    heavy merge kernels), compiled for the CPU; None for a state without heavy tokens."""
+    state = _state(kv)
+    if state.side is None or state.side.heavy_pos is None:
+        return None
+    b, h, d = SHAPE["batch"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    row = jax.ShapeDtypeStruct((b, h, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+    def score(state, k_leave, v_leave, old, fits):
+        arrays = {f: getattr(state, f) for f in cache_module._APPEND_FIELDS}
+        arrays |= {f: getattr(state.side, f) for f in cache_module._APPEND_SIDE_FIELDS}
+        return cache_module._leaving_token_score(state.config, arrays, k_leave, v_leave, old, fits)
+
+    return _optimized_counts(score, _abstract(state), row, row, rows, rows, donate=False)
+
+
 def cpu_logit_edits(kv: str) -> collections.Counter | None:
     """A mixed state's XLA between and after the attention kernels (the logits edited, the
     full-precision entries' partial softmax), compiled for the CPU; None for a plain state."""
@@ -139,16 +161,18 @@ def cpu_logit_edits(kv: str) -> collections.Counter | None:
 
 
 def census() -> dict:
-    """{kv: {"step": StableHLO kinds, "cpu_append": ..., "cpu_logit_edits": ...}}."""
+    """{kv: {"step": StableHLO kinds, "cpu_leaving_score": ..., "cpu_logit_edits": ...,
+    "cpu_xla_append": ...}}."""
     out = {}
     for kv in KVS:
         step = count_stablehlo(step_stablehlo(kv))
-        edits = cpu_logit_edits(kv)
-        out[kv] = dict(
-            step={k: step[k] for k in (*STEP_KINDS, "total")},
-            cpu_append=dict(cpu_append(kv).most_common()),
-            cpu_logit_edits=None if edits is None else dict(edits.most_common()),
+        parts = dict(
+            cpu_leaving_score=cpu_leaving_score(kv),
+            cpu_logit_edits=cpu_logit_edits(kv),
+            cpu_xla_append=cpu_append(kv),
         )
+        out[kv] = dict(step={k: step[k] for k in (*STEP_KINDS, "total")})
+        out[kv] |= {k: None if c is None else dict(c.most_common()) for k, c in parts.items()}
     return out
 
 
@@ -165,9 +189,9 @@ def markdown(result: dict) -> str:
     ]
     for kv, r in result.items():
         lines.append(f"| {kv} | " + " | ".join(str(r["step"][k]) for k in r["step"]) + " |")
-    lines += ["", "The XLA parts compiled for the CPU (optimized HLO, entry instructions):", ""]
+    lines += ["", "Compiled for the CPU (optimized HLO, entry instructions):", ""]
     for kv, r in result.items():
-        for part in ("cpu_append", "cpu_logit_edits"):
+        for part in ("cpu_leaving_score", "cpu_logit_edits", "cpu_xla_append"):
             if r[part] is not None:
                 ops = ", ".join(f"{n} {k}" for k, n in r[part].items())
                 lines.append(f"- {kv}, {part[4:].replace('_', ' ')}: {ops}")

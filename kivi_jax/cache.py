@@ -587,16 +587,27 @@ _APPEND_FIELDS = (
 
 
 def _append_kernel_supports(cache: KiviCache) -> bool:
-    """Plain KIVI (no mixed state, every float in the cache dtype), 2/4-bit codes, power-of-two
-    head_dim, G and R."""
+    """Every float in the cache dtype, 2/4-bit codes, power-of-two head_dim, G and R; plain
+    KIVI, or a mixed state whose parts the kernel writes: S sinks a power of two, F fine key
+    channels a multiple of 16, heavy tokens chosen by ERROR (scored by XLA, merged by a second
+    kernel) or none."""
     cfg, d = cache.config, cache.head_dim
     pow2 = lambda x: (x & (x - 1)) == 0
-    return (
-        cache.side is None
-        and cfg.plain_formats
+    plain = (
+        cfg.plain_formats
         and cfg.k_bits in (2, 4)
         and cfg.v_bits in (2, 4)
         and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
+    )
+    if cache.side is None:
+        return plain
+    return (
+        plain
+        and cfg.sinks > 0
+        and pow2(cfg.sinks)
+        and cfg.fine_key_channels > 0
+        and cfg.fine_key_channels % 16 == 0
+        and not cfg.needs_queries
     )
 
 
@@ -604,17 +615,60 @@ def _append_kernel_applies(cache: KiviCache) -> bool:
     return jax.default_backend() == "gpu" and _append_kernel_supports(cache)
 
 
-def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
-    """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1})."""
-    from kivi_jax.pallas_kernels.append.gpu import append_kernel
+# The mixed state's parts the append kernel writes (the heavy slots: the heavy merge kernel).
+_APPEND_SIDE_FIELDS = ("sink_k", "sink_v", "fine_codes", "fine_channels")
 
-    cfg = cache.config
-    out = append_kernel(
-        *[getattr(cache, n) for n in _APPEND_FIELDS], old, fits, k, v,
+
+def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
+    """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1}): the append
+    kernel; for a mixed state with heavy tokens, the leaving token's score (XLA) and the heavy
+    merge kernel after it."""
+    from kivi_jax.pallas_kernels.append.gpu import append_kernel, heavy_merge_kernel
+
+    cfg, side = cache.config, cache.side
+    arrays = [getattr(cache, n) for n in _APPEND_FIELDS]
+    config = dict(
         k_bits=cfg.k_bits, v_bits=cfg.v_bits, group_size=cfg.group_size,
         residual_length=cfg.residual_length, interpret=interpret,
     )  # fmt: skip
-    return dict(zip(_APPEND_FIELDS, out, strict=True))
+    if side is None:
+        out = append_kernel(*arrays, old, fits, k, v, **config)
+        return dict(zip(_APPEND_FIELDS, out, strict=True))
+    parts = tuple(getattr(side, n) for n in _APPEND_SIDE_FIELDS)
+    *out, k_leave, v_leave = append_kernel(*arrays, old, fits, k, v, parts, **config)
+    updated = dict(zip(_APPEND_FIELDS + _APPEND_SIDE_FIELDS, out, strict=True))
+    parts = {n: updated.pop(n) for n in _APPEND_SIDE_FIELDS}
+    if cfg.heavy_tokens:
+        pos, leaving, score = _leaving_token_score(
+            cfg, {**updated, **parts}, k_leave, v_leave, old, fits
+        )
+        fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
+        cast = lambda x: x.astype(side.heavy_k.dtype)
+        heavy = heavy_merge_kernel(
+            *(getattr(side, n) for n in fields), leaving.astype(jnp.int32), pos, score,
+            cast(k_leave), cast(v_leave), interpret=interpret,
+        )  # fmt: skip
+        parts |= dict(zip(fields, heavy, strict=True))
+    return updated | dict(side=dataclasses.replace(side, **parts))
+
+
+def _leaving_token_score(cfg: KiviConfig, arrays: dict, k_leave, v_leave, old, fits):
+    """The ERROR score of each row's token t - R (t = old), which left the value window with
+    key and value k_leave, v_leave [B, H, D] (read from the rings; `arrays` the state after the
+    step), as `_extend_kivi` scores it: (its position [B], whether it is a candidate [B],
+    float32 score [B, H], a NaN taken as +inf)."""
+    r, g = cfg.residual_length, cfg.group_size
+    pos = jnp.maximum(old - r, 0)  # [B]
+    leaving = (fits > 0) & (old - r >= 0) & (pos >= cfg.sinks)
+    at = pos[:, None]  # [B, 1]
+    k_leave, v_leave = (x[:, :, None].astype(jnp.float32) for x in (k_leave, v_leave))
+    k_hat = _keys_at(cfg, arrays, at)  # [B, H, 1, D]
+    codes = quantization.unpack_codes(_gather(arrays["v_codes"], at), cfg.v_bits, axis=3)
+    v_hat = quantization.dequantize(
+        codes, _gather(arrays["v_scale"], at), _gather(arrays["v_zero"], at), g, axis=3
+    )
+    score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
+    return pos, leaving, jnp.where(jnp.isnan(score), jnp.inf, score)[:, :, 0]
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).
@@ -703,27 +757,6 @@ def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
     return jnp.max(jnp.where(at, x[..., None], jnp.zeros((), x.dtype)), axis=-2)
 
 
-def _total_order_key(x: jax.Array) -> jax.Array:
-    """float32 x -> int32 keys in the floats' total order (lax.top_k's and lax.sort's: -NaN <
-    -inf < ... < -0 < +0 < ... < +inf < +NaN)."""
-    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(i < 0, i ^ np.int32(0x7FFFFFFF), i)
-
-
-def _widest_channels(spread: jax.Array, f: int) -> tuple[jax.Array, jax.Array]:
-    """The F channels of largest spread [..., D] float32, as lax.top_k picks them (the floats'
-    total order, ties to the lower channel): (is_fine bool [..., D], channels int32 [..., F]
-    ascending). By counting comparisons (D x D per group), not by a sort."""
-    key = _total_order_key(spread)
-    c = jnp.arange(spread.shape[-1])
-    kc, ko = key[..., :, None], key[..., None, :]  # [..., D (channel), D (other)]
-    ahead = (ko > kc) | ((ko == kc) & (c[None, :] < c[:, None]))
-    is_fine = jnp.sum(ahead, axis=-1) < f  # fewer than F channels rank ahead
-    below = jnp.sum(is_fine[..., None, :] & (c[None, :] < c[:, None]), axis=-1)  # [..., D]
-    nth = is_fine[..., None, :] & (below[..., None, :] == jnp.arange(f)[:, None])  # [..., F, D]
-    return is_fine, jnp.sum(jnp.where(nth, c, 0), axis=-1)
-
-
 def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     """Key groups of a window win [B, H, W, D] (tokens g0 + j, groups aligned to g0) of a cache
     of `dtype` (the scales and zeros in the keys' scale format).
@@ -745,7 +778,8 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     fine, fine_scale, _ = quantization.quantize(win, 2 * b, g, axis=2, dtype=dtype)
     grouped = win.astype(jnp.float32).reshape(*win.shape[:2], w // g, g, win.shape[3])
     spread = jnp.max(grouped, axis=3) - jnp.min(grouped, axis=3)  # [B, H, W // G, D]
-    is_fine, channels = _widest_channels(spread, f)  # [B, H, W // G, D], [B, H, W // G, F]
+    # is_fine [B, H, W // G, D], channels [B, H, W // G, F]
+    is_fine, channels = quantization.widest_channels(spread, f)
     per_token = lambda x: jnp.repeat(x, g, axis=2)
     codes = jnp.where(per_token(is_fine), fine >> b, codes)
     if quantization.is_float8(dtype):  # exact below the format's largest value, saturated there
