@@ -25,8 +25,9 @@ the same comparisons as the XLA append) quantized with 2b bits: the high b bits 
 the low ones in fine_codes, the channels in fine_channels. It hands out the key and value of
 token t - R from the rings; XLA scores that token (ERROR) and `heavy_merge_kernel` merges it
 into the heavy slots in place (`kivi_jax.cache._merge_one_heavy` is its reference): the
-heavy slots move down by a loop over rows, each read before it is written, where XLA's select
-over shifted slots cannot update them in place and copies them back.
+heavy slots are read whole and then written (one warp, so that every read of the next slot
+comes before any write), where XLA's select over shifted slots cannot update them in place
+and copies them back.
 """
 
 from __future__ import annotations
@@ -307,22 +308,21 @@ def _heavy_merge_kernel(
     full = count == N
     enters = (valid_ref[...] > 0) & (jnp.logical_not(full) | (score_ref[...] > worst))
     write_at = jnp.where(full, N - 1, count)
+    # full: the slots from the worst on take the next slot's entry, the candidate the last
+    moves = full & (i >= last_worst)
+    takes = i == write_at
+    after = jnp.minimum(i + 1, N - 1)  # the next slot
 
     @pl.when(enters)
-    def _merge():
-        def move_down(j, carry):  # slot j takes slot j + 1's entry (read before it is written)
-            hk_ref[j] = hk_ref[j + 1]
-            hv_ref[j] = hv_ref[j + 1]
-            hp_ref[j] = hp_ref[j + 1]
-            hs_ref[j] = hs_ref[j + 1]
-            return carry
-
-        # full: the slots after the worst move down one, the candidate takes the last
-        jax.lax.fori_loop(jnp.where(full, last_worst, N - 1), N - 1, move_down, 0)
-        hk_ref[write_at] = k_ref[...]
-        hv_ref[write_at] = v_ref[...]
-        hp_ref[write_at] = pos_ref[...]
-        hs_ref[write_at] = score_ref[...]
+    def _merge():  # each array read whole, then written (one warp: every read before a write)
+        for ref, cand in ((hp_ref, pos_ref[...]), (hs_ref, score_ref[...])):
+            x, x_next = ref[...], ref[after]  # [N]
+            ref[...] = jnp.where(takes, cand, jnp.where(moves, x_next, x))
+        for ref, cand in ((hk_ref, k_ref[...]), (hv_ref, v_ref[...])):
+            x, x_next = ref[...], ref[after]  # [N, D]
+            ref[...] = jnp.where(
+                takes[:, None], cand[None, :], jnp.where(moves[:, None], x_next, x)
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -348,7 +348,7 @@ def heavy_merge_kernel(
         out_specs=slots,
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in heavy],
         input_output_aliases={5 + j: j for j in range(4)},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="kivi_heavy_merge",
     )(valid, pos, score, k, v, *heavy)
