@@ -220,6 +220,28 @@ def dequantize(
     return affine(codes.astype(jnp.float32), s, z)
 
 
+def _total_order_key(x: jax.Array) -> jax.Array:
+    """float32 x -> int32 keys in the floats' total order (lax.top_k's and lax.sort's: -NaN <
+    -inf < ... < -0 < +0 < ... < +inf < +NaN)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def widest_channels(spread: jax.Array, f: int) -> tuple[jax.Array, jax.Array]:
+    """The F channels of largest spread [..., D] float32, as lax.top_k picks them (the floats'
+    total order, ties to the lower channel): (is_fine bool [..., D], channels int32 [..., F]
+    ascending). By counting comparisons (D x D per group), not by a sort, so that the fused
+    append kernel (pallas_kernels/append/gpu.py) picks them with the same code."""
+    key = _total_order_key(spread)
+    c = jnp.arange(spread.shape[-1])
+    kc, ko = key[..., :, None], key[..., None, :]  # [..., D (channel), D (other)]
+    ahead = (ko > kc) | ((ko == kc) & (c[None, :] < c[:, None]))
+    is_fine = jnp.sum(ahead, axis=-1) < f  # fewer than F channels rank ahead
+    below = jnp.sum(is_fine[..., None, :] & (c[None, :] < c[:, None]), axis=-1)  # [..., D]
+    nth = is_fine[..., None, :] & (below[..., None, :] == jnp.arange(f)[:, None])  # [..., F, D]
+    return is_fine, jnp.sum(jnp.where(nth, c, 0), axis=-1)
+
+
 def affine(c: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
     """c * s + z in float32, finite wherever s and z are: where the product overflows (a group
     spanning most of float32's range) it is taken halved, and the result clipped to the range."""
