@@ -213,28 +213,35 @@ def append(
     return out, merge(rows, tokens)
 
 
-def put_sequence(paged: PagedCache, cache: Cache, row, table_row: jax.Array) -> PagedCache:
+def put_sequence(paged: PagedCache, cache: Cache, row) -> PagedCache:
     """One sequence's contiguous state (`cache`, batch 1, any capacity up to max_pages *
-    page_size) into row `row`: its per-row arrays, the table row `table_row` int32 [M], and its
-    token-axis arrays' pages at the page ids of table_row (NO_PAGE entries dropped)."""
+    page_size) into row `row`: its per-row arrays, and its token-axis arrays' pages through the
+    row's table entries (NO_PAGE entries dropped). The table is the caller's: it already holds
+    the row's pages."""
     axes = dict(paged.token_axes)
     rows, tokens = split(cache, paged.token_axes)
-    capacity = paged.max_pages * paged.page_size
+    m = paged.max_pages
 
-    def pad(path, x):  # the token axis padded to max_pages * page_size tokens
+    def pad(path, x):  # the token axis padded to max_pages pages
         a, pool = axes[_key(path)], _leaf(paged.pages, path)
-        entries = capacity // paged.page_size * pool.shape[a]
-        return jnp.pad(x, [(0, entries - x.shape[a]) if i == a else (0, 0) for i in range(x.ndim)])
+        width = [(0, m * pool.shape[a] - x.shape[a]) if i == a else (0, 0) for i in range(x.ndim)]
+        return jnp.pad(x, width)
 
     tokens = jax.tree_util.tree_map_with_path(pad, tokens)
-    m = paged.max_pages
-    pool = _put_pages(paged, tokens, table_row[None], jnp.arange(m, dtype=jnp.int32)[None])
+    ids = jax.lax.dynamic_slice_in_dim(paged.table, row, 1, axis=0)  # [1, M]
+    pool = _put_pages(paged, tokens, ids, jnp.arange(m, dtype=jnp.int32)[None])
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
         big, small.astype(big.dtype), row, axis=cache_lib.BATCH_AXIS
     )
-    new_rows = jax.tree.map(put, paged.rows, rows)
-    table = jax.lax.dynamic_update_slice_in_dim(paged.table, table_row[None], row, axis=0)
-    return dataclasses.replace(paged, rows=new_rows, pages=pool, table=table)
+    return dataclasses.replace(paged, rows=jax.tree.map(put, paged.rows, rows), pages=pool)
+
+
+def sequence(paged: PagedCache, row) -> Cache:
+    """Row `row`'s contiguous state (batch 1, capacity max_pages * page_size): what
+    put_sequence takes back."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)
+    one = dataclasses.replace(paged, rows=jax.tree.map(take, paged.rows), table=take(paged.table))
+    return view(one)
 
 
 def _leaf(tree, path):

@@ -54,12 +54,11 @@ def test_pages_in_any_order_read_and_append_as_the_contiguous_state(kind):
     flat = prefill(init_cache(cfg, batch=3, max_len=MAX_LEN, **kw), k, v, jnp.array(lengths), q=q)
 
     state = paged.init_paged(cfg, batch=3, pages=12, page_size=PS, max_len=MAX_LEN, **kw)
-    table = tables(lengths, rng, 12, cfg is None)
+    state = dataclasses.replace(state, table=jnp.asarray(tables(lengths, rng, 12, cfg is None)))
     for b, n in enumerate(lengths):
         one = prefill(init_cache(cfg, batch=1, max_len=MAX_LEN, **kw), k[b : b + 1, :n],
                       v[b : b + 1, :n], q=q[b : b + 1, :n])  # fmt: skip
-        state = paged.put_sequence(state, one, b, jnp.asarray(table[b]))
-    np.testing.assert_array_equal(np.asarray(state.table), table)
+        state = paged.put_sequence(state, one, b)
 
     @jax.jit
     def step(state, flat, qs, ks, vs, active):
@@ -81,6 +80,11 @@ def test_pages_in_any_order_read_and_append_as_the_contiguous_state(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(seen), jax.tree.leaves(paged.view(state)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a row taken out as its contiguous state and put back into other pages reads the same
+    moved = dataclasses.replace(state, table=state.table[jnp.array([1, 0, 2])])
+    moved = paged.put_sequence(moved, paged.sequence(state, 0), 1)
+    for a, b in zip(dequantize(paged.view(moved)), dequantize(flat), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[0])
     np.testing.assert_array_equal(np.asarray(state.rows.lengths), [201, 181, 30])
 
 
@@ -90,8 +94,8 @@ def test_a_write_without_its_page_sets_the_rows_overflow():
     state = paged.init_paged(cfg, batch=1, pages=1, page_size=PS, max_len=MAX_LEN, **kw)
     one = prefill(init_cache(cfg, batch=1, max_len=MAX_LEN, **kw), jnp.ones((1, 63, H, D)),
                   jnp.ones((1, 63, H, D)))  # fmt: skip
-    row = jnp.array([0, paged.NO_PAGE, paged.NO_PAGE, paged.NO_PAGE], jnp.int32)
-    state = paged.put_sequence(state, one, 0, row)  # tokens [0, 64) have their page
+    table = jnp.array([[0, paged.NO_PAGE, paged.NO_PAGE, paged.NO_PAGE]], jnp.int32)
+    state = paged.put_sequence(dataclasses.replace(state, table=table), one, 0)  # [0, 64): page 0
     step = jax.jit(lambda s: paged.append(s, jnp.ones((1, H, D)), jnp.ones((1, H, D)))[0])
     state = step(state)  # token 63 completes the group [32, 64), in page 0
     assert not state.rows.overflow[0]

@@ -549,6 +549,12 @@ def test_metrics_move(server):
     assert after["kivi_queue_depth"] == 0
     assert 0 <= after["kivi_kv_bytes_in_use"] <= after["kivi_kv_bytes_allocated"]
     assert after["kivi_kv_bytes_allocated"] > 0
+    assert 0 <= after["kivi_pages_used"] <= after["kivi_pages_total"]
+    assert after["kivi_preemptions_total"] == 0
+    assert after["kivi_prefill_calls_total"] == before["kivi_prefill_calls_total"] + 1
+    assert after["kivi_prompt_tokens_computed_total"] == (
+        before["kivi_prompt_tokens_computed_total"] + r.usage.prompt_tokens
+    )
     bad = 'kivi_requests_total{outcome="invalid"}'
     _http(server.base, "/v1/completions", {"prompt": ""})
     assert _metrics(server.base)[bad] == after[bad] + 1

@@ -10,6 +10,7 @@ import asyncio
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_model import tiny_params
@@ -458,18 +459,23 @@ def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):
     s = e.stats()  # counted before the state is allocated (at the first step)
     h = e.submit(prompt(20, seed=0), max_new_tokens=4)
     e.step()
-    slots = memory_report(e._state.caches).total_bytes
+    state = memory_report(e._layout.layers(e._state.caches, e._pool, e._pages.table))
+    assert (s.kv_slot_bytes, s.kv_pool_bytes) == (state.slot_bytes, state.pool_bytes)
+    # without kv_bytes: each slot's max_len tokens of pages (one page of 128 here)
+    assert s.pages_total == 2 and state.pool_bytes == state.codes_bytes + state.scales_zeros_bytes
+    slots = state.total_bytes
     assert s.kv_bytes_allocated == slots + s.prefill_scratch_bytes
     # the scratch: each layer's full-precision K and V of max_len (a chunk multiple) tokens,
     # and the chunked prompt's one-row state
     c = params.config
     fp = c.num_layers * 2 * 128 * c.num_kv_heads * c.head_dim * 4
     assert s.prefill_scratch_bytes > fp
-    assert e.stats().kv_bytes_in_use == slots // 2
+    # one slot's part; no page: its 23 tokens at most complete no key group of 32
+    assert e.stats().kv_bytes_in_use == state.slot_bytes // 2 and e.stats().pages_used == 0
     # a slot's share of the memory plan: its KV state, the penalties' token counts over the
     # vocabulary (int32 generated + bool prompted: 5 bytes an id) and a few counters
     V = c.vocab_size
-    assert slots // 2 + 5 * V < e.memory_plan.slot < slots // 2 + 5 * V + 200
+    assert slots // 2 + 5 * V < e.memory_plan.slot < slots // 2 + 5 * V + 200  # and its page
     while e.step():
         pass
     assert h.done and e.stats().kv_bytes_in_use == 0
@@ -564,3 +570,49 @@ def test_warmup_on_a_running_engine_runs_nothing_and_loses_no_token(params):
     while e.step():
         pass
     assert [h.result() for h in hs] == [alone(params, "kivi2", x, 12) for x in ids]
+
+
+def test_preempted_requests_stream_on_with_the_tokens_of_their_prompt_alone(params):
+    """A pool of 5 pages of 32 tokens for 3 slots whose requests each grow to 3 pages: decode
+    calls run out of pages, the most recently admitted request goes to host memory and comes
+    back; every request's greedy tokens still equal generate's alone."""
+    kv = kivi_jax.KiviConfig(residual_length=32)
+    sized = engine(params, kv, slots=3, page_size=32).stats()
+    slot, page = sized.kv_slot_bytes // 3, sized.kv_pool_bytes // sized.pages_total
+    e = engine(params, kv, slots=3, page_size=32, kv_bytes=3 * slot + 5 * page)
+    assert e.stats().pages_total == 5
+    spec = [(25, 60), (30, 55), (45, 50), (20, 60)]  # the third prefilled in two chunks
+    ids = [prompt(n, seed=20 + i) for i, (n, _) in enumerate(spec)]
+    handles = [e.submit(x, max_new_tokens=new) for x, (_, new) in zip(ids, spec, strict=True)]
+    most = 0
+    while e.step():
+        most = max(most, e.stats().pages_used)
+    stats = e.stats()
+    assert stats.preemptions > 0 and most <= 5 and stats.pages_used == 0
+    for h, x, (_, new) in zip(handles, ids, spec, strict=True):
+        assert h.finish_reason == "length"
+        assert h.result() == alone(params, kv, x, new)
+
+
+def test_requests_shorter_than_max_len_run_several_times_more_at_once():
+    """bfloat16 state, max_len 2048, R 128 and the memory 8 slots reserve at max_len: 32
+    requests of 40-80 prompt tokens + 16 new run at least 24 at a time (each holds one page
+    and its ring), not 8."""
+    params = tiny_params(seed=0, dtype=jnp.bfloat16, tie_embeddings=False, max_context=2048)
+    c = params.config
+    eight = kivi_jax.init_cache(kivi_jax.KIVI2, batch=8, max_len=2048, head_dim=c.head_dim,
+                                num_kv_heads=c.num_kv_heads, dtype=jnp.bfloat16,
+                                num_layers=c.num_layers)  # fmt: skip
+    budget = memory_report(eight).total_bytes
+    e = Engine(params, kv="kivi2", slots=24, max_len=2048, kv_bytes=budget, prefill_chunk=2048,
+               max_queue=32)  # fmt: skip
+    s = e.stats()
+    assert s.kv_slot_bytes + s.kv_pool_bytes <= budget
+    rng = np.random.default_rng(1)
+    handles = [e.submit(prompt(int(rng.integers(40, 81)), seed=i), max_new_tokens=16)
+               for i in range(32)]  # fmt: skip
+    most = 0
+    while e.step():
+        most = max(most, e.stats().live_slots)
+    assert most >= 24
+    assert all(h.finish_reason == "length" and len(h.result()) == 16 for h in handles)

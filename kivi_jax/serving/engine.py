@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from kivi_jax import sharding
+from kivi_jax import paged, sharding
 from kivi_jax.cache import BATCH_AXIS, init_cache
 from kivi_jax.config import KiviConfig
 from kivi_jax.generate import (
@@ -73,7 +73,9 @@ from kivi_jax.generate import (
 from kivi_jax.memory import memory_report
 from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
+from kivi_jax.paged import PagedCache
 from kivi_jax.serving import sizing
+from kivi_jax.serving.pool import PagePool
 from kivi_jax.serving.sizing import MemoryPlan
 
 MAX_STOP_IDS = 16  # stop ids per request, the engine's eos_id and the request's eos_id included
@@ -120,7 +122,7 @@ class EngineError(RuntimeError):
 class SlotState:
     """The engine's device state: every array holds one row per slot on axis 0."""
 
-    caches: tuple  # one KV state per layer, batch = slots
+    caches: tuple  # per layer the per-slot part of the paged state (PagedCache.rows), batch = slots
     last: jax.Array  # int32 [S]: the token fed at the next step
     active: jax.Array  # bool [S]: the slot decodes
     count: jax.Array  # int32 [S]: tokens generated (the index of the next one)
@@ -179,6 +181,31 @@ def _empty_caches(params: LlamaParams, kv: KiviConfig | None, batch: int, max_le
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """The pool's static layout: page_size tokens a page, and the state's arrays with a token
+    axis (kivi_jax.paged.token_axes), which the pool holds."""
+
+    page_size: int
+    token_axes: tuple[tuple[str, int], ...]
+
+    def layers(self, caches, pool, table) -> tuple[PagedCache, ...]:
+        """Each layer's PagedCache: its per-slot part, its pages, the table [S, M]."""
+        kw = dict(table=table, page_size=self.page_size, token_axes=self.token_axes)
+        return tuple(PagedCache(rows=c, pages=p, **kw) for c, p in zip(caches, pool, strict=True))
+
+
+def _empty_paged(params: LlamaParams, kv, slots: int, pages: int, max_len: int, layout):
+    """(the per-slot parts of `slots` empty rows, `pages` pages) per layer."""
+    c = params.config
+    layers = paged.init_paged(
+        kv, batch=slots, pages=pages, page_size=layout.page_size, max_len=max_len,
+        num_kv_heads=_kv_heads(params), head_dim=c.head_dim, dtype=params.dtype,
+        num_layers=c.num_layers,
+    )  # fmt: skip
+    return tuple(x.rows for x in layers), tuple(x.pages for x in layers)
+
+
 def _empty_state(caches, batch: int, vocab: int) -> SlotState:
     """init_cache's empty state `caches` (a mixed state's empty heavy slots -1 / -inf), every
     row inactive."""
@@ -196,6 +223,13 @@ def _empty_state(caches, batch: int, vocab: int) -> SlotState:
     )
 
 
+def _keep_pool(pool, mesh: Mesh | None):
+    """Inside jit: the pool in its shardings (pages over "data", KV heads over "model")."""
+    if mesh is None:
+        return pool
+    return jax.lax.with_sharding_constraint(pool, sharding.cache_sharding(pool, mesh))
+
+
 def _state_sharding(state: SlotState, mesh: Mesh) -> SlotState:
     """The NamedSharding of each state array on `mesh`: the caches as sharding.cache_sharding
     (KV heads over "model", slots over "data"), every other array's slots over "data"."""
@@ -211,6 +245,11 @@ def _keep_sharding(state: SlotState, mesh: Mesh | None) -> SlotState:
     if mesh is None:
         return state
     return jax.lax.with_sharding_constraint(state, _state_sharding(state, mesh))
+
+
+def _bytes(tree) -> int:
+    """Bytes of `tree`'s arrays (concrete or abstract), whole."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _lost(tree) -> bool:
@@ -277,50 +316,97 @@ def _echo_chunk(params, tokens, offset, count, scratch, caches, following):
     return last, scratch, caches, token_logprobs(logits, following)
 
 
-@functools.partial(jax.jit, static_argnames=("sampled", "mesh"), donate_argnames=("state",))
+def _put_sequence(state: SlotState, pool, table, caches, row: SlotState, slot, layout):
+    """Inside jit: a request's contiguous one-row state `caches` into row `slot` (its pages
+    through table[slot]) and `row`'s other arrays -> (state, pool)."""
+    layers = [
+        paged.put_sequence(x, c, slot)
+        for x, c in zip(layout.layers(state.caches, pool, table), caches, strict=True)
+    ]
+    others = _put_row(dataclasses.replace(state, caches=()), row, slot)
+    return (
+        dataclasses.replace(others, caches=tuple(x.rows for x in layers)),
+        tuple(x.pages for x in layers),
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sampled", "mesh", "layout"), donate_argnames=("state", "pool")
+)
 def _insert_row(
-    state: SlotState, caches, logits, rows: RowSampling, prompted, limit, stops, slot, *,
-    sampled, mesh,
+    state: SlotState, pool, table, caches, logits, rows: RowSampling, prompted, limit, stops,
+    slot, *, sampled, mesh, layout,
 ):  # fmt: skip
     """A prefilled request (its state, last logits [R, V] of R equal rows, sampling values,
     its prompt's ids prompted bool [1, V], limit [1], stops [1, MAX_STOP_IDS]) into row
-    `slot`; returns (state, its first token [1, 1], its TokenLogprobs [1, 1]). The penalties
-    and the logprobs of this one row are always computed (a few operations over [1, V])."""
+    `slot`, its pages through table[slot]; returns (state, pool, its first token [1, 1], its
+    TokenLogprobs [1, 1]). The penalties and the logprobs of this one row are always computed
+    (a few operations over [1, V])."""
     first_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=BATCH_AXIS)
     caches, logits = jax.tree.map(first_row, caches), logits[:1]
     counts = TokenCounts(generated=jnp.zeros(prompted.shape, jnp.int32), prompted=prompted)
     first = sample(penalize(logits, rows, counts), rows, jnp.zeros(1, jnp.int32), sampled=sampled)
     ends = jnp.any(first[:, None] == stops, axis=1) | (limit <= 1)
     row = SlotState(
-        caches=caches, last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
+        caches=(), last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
         stops=stops, rows=rows, counts=counts.add(first, jnp.ones(1, bool)),
     )  # fmt: skip
     scores = token_logprobs(logits[:, None], first[:, None])
-    return _keep_sharding(_put_row(state, row, slot), mesh), first[:, None], scores
+    state, pool = _put_sequence(state, pool, table, caches, row, slot, layout)
+    return _keep_sharding(state, mesh), _keep_pool(pool, mesh), first[:, None], scores
 
 
-@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("state",))
-def _reset(params, state: SlotState, slot, *, kv):
-    caches = _empty_caches(params, kv, 1, state.caches[0].max_len)
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _save_row(state: SlotState, pool, table, slot, *, layout):
+    """Row `slot` as a one-row SlotState whose caches are its contiguous state (its pages
+    gathered through table[slot]): a preempted request's, read back to the host."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=BATCH_AXIS)
+    layers = layout.layers(state.caches, pool, table)
+    return dataclasses.replace(
+        jax.tree.map(take, dataclasses.replace(state, caches=())),
+        caches=tuple(paged.sequence(x, slot) for x in layers),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "layout"), donate_argnames=("state", "pool"))
+def _restore_row(state: SlotState, pool, table, saved: SlotState, slot, *, mesh, layout):
+    """A preempted request's saved row (_save_row's) back into row `slot`, its pages through
+    table[slot] -> (state, pool)."""
+    row = dataclasses.replace(saved, caches=())
+    state, pool = _put_sequence(state, pool, table, saved.caches, row, slot, layout)
+    return _keep_sharding(state, mesh), _keep_pool(pool, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("kv", "layout"), donate_argnames=("state",))
+def _reset(params, state: SlotState, slot, *, kv, layout):
+    """Row `slot` back to init_cache's empty state, inactive (its pages are the host's to
+    free: the row's table entries are no longer passed)."""
+    caches, _ = _empty_paged(params, kv, 1, 1, state.caches[0].max_len, layout)
     empty = _empty_state(caches, 1, params.config.vocab_size)
     return _keep_sharding(_put_row(state, empty, slot), params.mesh)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("steps", "sampled", "extras"), donate_argnames=("state",)
-)
-def _decode(params, state: SlotState, *, steps: int, sampled: bool, extras: bool):
-    """`steps` decode steps of every active slot -> (state, tokens int32 [S, steps], -1 where
-    the slot was inactive, and with `extras` (static: the penalties applied, the tokens
-    counted, the logprobs computed) their TokenLogprobs [S, steps], else None). A slot stops
-    after a stop id or its limit."""
+    jax.jit, static_argnames=("steps", "sampled", "extras", "layout"),
+    donate_argnames=("state", "pool"),
+)  # fmt: skip
+def _decode(
+    params, state: SlotState, pool, table, *, steps: int, sampled: bool, extras: bool, layout
+):
+    """`steps` decode steps of every active slot, the pages read and written through `table`
+    [S, M] (the host's: every live slot's pages for the call's tokens) -> (state, pool,
+    tokens int32 [S, steps], -1 where the slot was inactive, and with `extras` (static: the
+    penalties applied, the tokens counted, the logprobs computed) their TokenLogprobs
+    [S, steps], else None). A slot stops after a stop id or its limit."""
     S = state.last.shape[0]
 
     def step(i, carry):
-        s, out, scores = carry
-        logits, caches = llama.decode_step(
-            params, s.last, s.caches[0].lengths, s.caches, active=s.active
-        )
+        s, pool, out, scores = carry
+        logits, layers = llama.decode_step(
+            params, s.last, s.caches[0].lengths, layout.layers(s.caches, pool, table),
+            active=s.active,
+        )  # fmt: skip
+        caches, pool = tuple(x.rows for x in layers), tuple(x.pages for x in layers)
         chosen = penalize(logits, s.rows, s.counts) if extras else logits
         tok = jnp.where(s.active, sample(chosen, s.rows, s.count, sampled=sampled), -1)
         count = s.count + s.active.astype(jnp.int32)
@@ -332,7 +418,7 @@ def _decode(params, state: SlotState, *, steps: int, sampled: bool, extras: bool
         if extras:
             new = token_logprobs(logits, tok)
             scores = jax.tree.map(lambda all, x: all.at[:, i].set(x), scores, new)
-        return s, out.at[:, i].set(tok), scores
+        return s, pool, out.at[:, i].set(tok), scores
 
     out = jnp.full((S, steps), -1, jnp.int32)
     scores = None
@@ -341,8 +427,8 @@ def _decode(params, state: SlotState, *, steps: int, sampled: bool, extras: bool
             logprob=jnp.zeros((S, steps)), top_ids=jnp.zeros((S, steps, MAX_LOGPROBS), jnp.int32),
             top_logprobs=jnp.zeros((S, steps, MAX_LOGPROBS)),
         )  # fmt: skip
-    state, out, scores = jax.lax.fori_loop(0, steps, step, (state, out, scores))
-    return _keep_sharding(state, params.mesh), out, scores
+    state, pool, out, scores = jax.lax.fori_loop(0, steps, step, (state, pool, out, scores))
+    return _keep_sharding(state, params.mesh), _keep_pool(pool, params.mesh), out, scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +439,13 @@ class EngineStats:
     live_slots: int  # slots holding a request (prefilling or decoding)
     free_slots: int
     slots: int
-    kv_bytes_allocated: int  # the slots' KV state + the prefill scratch
-    kv_bytes_in_use: int  # the live slots' share of the slots' KV state + the scratch if in use
+    kv_bytes_allocated: int  # the KV state (the slots' parts + the pool) + the prefill scratch
+    kv_bytes_in_use: int  # the live slots' parts, the pages in use, the scratch if in use
+    kv_slot_bytes: int  # the slots' parts of the KV state: rings, counters, page tables
+    kv_pool_bytes: int  # the page pool
+    pages_total: int
+    pages_used: int
+    preemptions: int  # requests moved to host memory when pages ran out
     prefill_scratch_bytes: int  # the full-precision K/V of a chunked prompt (+ its one-row state)
     requests_finished: dict[str, int]  # by finish_reason
     generated_tokens: int
@@ -497,6 +588,16 @@ class _LongPrompt:
 
 
 @dataclasses.dataclass
+class _Preempted:
+    """A preempted request: its row as _save_row returns it (its caches contiguous), in host
+    memory, and the tokens the row holds at most."""
+
+    request: RequestHandle
+    saved: SlotState
+    held: int
+
+
+@dataclasses.dataclass
 class _Tokens:
     """Tokens on the device, not yet read: (tokens int32 [rows, n], their TokenLogprobs or
     None), and whose they are: {slot: (its request, its row)}."""
@@ -526,15 +627,22 @@ def _logprob(scores, at, token: int, k: int) -> Logprob:
 
 
 class Engine:
-    """Serves requests as they arrive over one KV state of `slots` rows (docs/serving.md).
+    """Serves requests as they arrive over one KV state of `slots` rows whose quantized tokens
+    live in a pool of pages (docs/serving.md).
 
     Args:
       params: the model's weights.
       kv: "full", "kivi2", "kivi4", "kivi2-mix", "kivi2-lean" or a KiviConfig.
-      slots: requests decoded together (rows of the state); None: as many as fit the device's
-        memory beside what is already on it (the programs are compiled first to count their
-        temporaries: memory_plan).
-      max_len: tokens a slot holds (prompt + max_new_tokens of each request).
+      slots: requests decoded together (rows of the state: each holds its ring, counters,
+        sampling values and page table, a fixed cost); None: as many as fit the device's
+        memory beside what is already on it, each with max_len tokens of pages (the programs
+        are compiled first to count their temporaries: memory_plan).
+      max_len: tokens a request may hold (prompt + max_new_tokens).
+      kv_bytes: bytes of the whole KV state, the slots' parts and the pool together, as
+        `stats()` counts them; the pool is what the slots leave of it. None: every slot's
+        max_len tokens of pages (what `slots` slots reserved at max_len take, max_len
+        rounded up to a page).
+      page_size: tokens a page holds: a multiple of a KIVI state's residual length R.
       prefill_chunk: prompt tokens prefilled per scheduler step (per "data" shard of a mesh):
         prompts up to this long are prefilled whole, several waiting ones as the rows of one
         call (rows x their bucket's width <= prefill_chunk); longer ones in chunks of this many
@@ -547,6 +655,12 @@ class Engine:
         Default: the mesh the params carry, else one device.
       memory_budget: bytes the process may hold on each device, the weights included (the
         device allocator's own limit applies too, the smaller one counts).
+
+    A request is admitted while a slot is free and its slot's pool holds its prompt and its
+    first decode call; pages are taken as its tokens reach them and freed when it ends. When a
+    decode call's pages run out, the most recently admitted request of that pool is preempted:
+    its row and pages are copied to host memory and put back, exactly, once pages are free
+    (before any new request is admitted); its handle streams on without a repeat or a gap.
 
     The state is allocated by warmup() (after it has compiled every program, so that XLA's
     autotuner measures in free memory) or by the first step.
@@ -565,6 +679,8 @@ class Engine:
         kv: str | KiviConfig = "kivi2",
         slots: int | None = 8,
         max_len: int = 2048,
+        kv_bytes: int | None = None,
+        page_size: int = 128,
         prefill_chunk: int = 256,
         max_queue: int = 64,
         eos_id: int | None = None,
@@ -575,9 +691,10 @@ class Engine:
         if not isinstance(params, LlamaParams):
             raise TypeError(f"params must be LlamaParams, got {type(params).__name__}")
         c = params.config
-        optional = {"slots": slots, "memory_budget": memory_budget}  # None: see the doc
+        optional = {"slots": slots, "memory_budget": memory_budget, "kv_bytes": kv_bytes}
         for name, value in [("max_len", max_len), ("prefill_chunk", prefill_chunk),
                             ("max_queue", max_queue), ("decode_steps", decode_steps),
+                            ("page_size", page_size),
                             *((k, v) for k, v in optional.items() if v is not None)]:  # fmt: skip
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -585,6 +702,8 @@ class Engine:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {c.max_context}")
         if eos_id is not None and not 0 <= eos_id < c.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {c.vocab_size})")
+        if slots is None and kv_bytes is not None:
+            raise ValueError("kv_bytes needs slots (slots=None sizes both to the device)")
         mesh = sharding.mesh_for(params, mesh)
         if mesh is not None:
             sharding.check_mesh(mesh, c, batch=None if slots is None else int(slots))
@@ -602,25 +721,51 @@ class Engine:
             functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
         )
         d = self._rows_per_device
+        paged.check_page_size(row[0], page_size)
+        self._layout = PageLayout(int(page_size), paged.token_axes(row[0]))
+        M = self._max_pages = paged.max_pages(self.max_len, self._layout.page_size)
+        # one slot's part of the KV state (its ring, counters, table row) and one page, all layers
+        slot_part = _bytes(self._abstract_state(1).caches) + 4 * M
+        page = _bytes(self._abstract_pool(1))
+        on_device = lambda n: sizing.device_bytes(self._abstract_pool(n))  # n pages, shards
         # the one-row states on a device at once: a batch's (one per row) and a long prompt's
         rows = self._batch_rows(PROMPT_BUCKET, 2 * d) + 1
         self._plan = MemoryPlan(
             limit=sizing.device_limit(self._devices, memory_budget),
             in_use=sizing.device_in_use(self._devices, params),
-            slot=sizing.device_bytes(self._abstract_state(d)),  # d slots: one on each device
+            # d slots: one on each device, with max_len tokens of pages unless kv_bytes sizes
+            slot=sizing.device_bytes(self._abstract_state(d)) + 4 * M
+            + (M * on_device(d) if kv_bytes is None else 0),
             scratch=sizing.device_bytes(self._scratch_spec) + rows * sizing.device_bytes(row) // d,
             programs=0,
             slots=0 if slots is None else int(slots) // d,
-        )
+        )  # fmt: skip
         self.programs: list[ProgramCost] = []  # what warmup compiled (or slots=None's sizing)
         if slots is None:
             slots = self._fit_slots()
-        self._plan.check()
         self.slots = int(slots)
+        if kv_bytes is None:
+            pages = self.slots * M
+        else:
+            pages = (int(kv_bytes) - self.slots * slot_part) // page // d * d
+            if pages < d * M:
+                raise ValueError(
+                    f"kv_bytes={kv_bytes}: {self.slots} slots take {self.slots * slot_part} "
+                    f"bytes (rings, counters, page tables), leaving {max(pages, 0)} pages of "
+                    f"{page} bytes; a request of max_len={self.max_len} needs {M}"
+                    + (f" in each of the {d} 'data' shards" if d > 1 else "")
+                )
+            self._plan = dataclasses.replace(self._plan, pool=on_device(pages))
+        self._plan.check()
+        self._pages = PagePool(pages=pages, shards=d, slots=self.slots, max_pages=M,
+                               page_size=self._layout.page_size,
+                               unit=1 if self.kv is None else self.kv.group_size)  # fmt: skip
         self._state_spec = self._abstract_state(self.slots)
+        self._pool_spec = self._abstract_pool(pages)
         self._state: SlotState | None = None  # allocated by warmup() or the first step
+        self._pool: tuple | None = None
         self._scratch: tuple | None = None
-        self._slot_bytes = memory_report(self._state_spec.caches).total_bytes
+        self._slot_bytes, self._page_bytes = self.slots * slot_part, page
         self._scratch_bytes = (
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self._scratch_spec, row)))
             + (rows - 1) * memory_report(row).total_bytes
@@ -636,7 +781,11 @@ class Engine:
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
-        self._computed = self._prefill_calls = 0
+        self._computed = self._prefill_calls = self._preemptions = 0
+        self._bound = [0] * self.slots  # tokens each slot's row holds at most after the calls made
+        self._order: dict[RequestHandle, int] = {}  # admission order of the admitted requests
+        self._admissions = itertools.count()
+        self._preempted: collections.deque[_Preempted] = collections.deque()
         self._accepting, self._thread, self._running = True, None, False
         self.failure: BaseException | None = None  # the fault the engine could not recover from
 
@@ -773,7 +922,8 @@ class Engine:
         with self._lock:
             self._accepting = False
             if cancel:
-                for h in [*self._queue, *(o for o in self._occupant if o is not None)]:
+                waiting = [p.request for p in self._preempted]
+                for h in [*self._queue, *(o for o in self._occupant if o is not None), *waiting]:
                     if h in self._queue:
                         self._queue.remove(h)
                         self._end(h, "cancelled")
@@ -810,7 +960,7 @@ class Engine:
         with self._step_lock:
             if not self.programs:
                 row, logits = self._compile_prompt_programs()
-                self._compile_slot_programs(self.slots, row, logits)
+                self._compile_slot_programs(self.slots, self._pages.total, row, logits)
                 most = max(cost.temp_bytes for cost in self.programs)
                 self._plan = dataclasses.replace(self._plan, programs=most)
                 if self._state is None:
@@ -821,13 +971,21 @@ class Engine:
         with self._lock:
             live = sum(o is not None for o in self._occupant)
             scratch_used = self._scratch_bytes if self._long is not None else 0
+            pool = self._pages.total * self._page_bytes
             return EngineStats(
                 queue_depth=len(self._queue),
                 live_slots=live,
                 free_slots=self.slots - live,
                 slots=self.slots,
-                kv_bytes_allocated=self._slot_bytes + self._scratch_bytes,
-                kv_bytes_in_use=self._slot_bytes * live // self.slots + scratch_used,
+                kv_bytes_allocated=self._slot_bytes + pool + self._scratch_bytes,
+                kv_bytes_in_use=self._slot_bytes * live // self.slots
+                + self._pages.used * self._page_bytes
+                + scratch_used,
+                kv_slot_bytes=self._slot_bytes,
+                kv_pool_bytes=pool,
+                pages_total=self._pages.total,
+                pages_used=self._pages.used,
+                preemptions=self._preemptions,
                 prefill_scratch_bytes=self._scratch_bytes,
                 requests_finished=dict(self._finished),
                 generated_tokens=self._generated,
@@ -841,17 +999,29 @@ class Engine:
 
     def _abstract_state(self, slots: int) -> SlotState:
         """The shapes, dtypes and shardings of the state of `slots` rows (nothing allocated)."""
-        p, kv = self.params, self.kv
-        state = jax.eval_shape(
-            lambda: _empty_state(
-                _empty_caches(p, kv, slots, self.max_len), slots, p.config.vocab_size
-            )
-        )
+        state = jax.eval_shape(lambda: self._empty_state(slots))
         if self.mesh is None:
             shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), state)
         else:
             shardings = jax.tree.map(_trimmed, _state_sharding(state, self.mesh))
         return jax.tree.map(_spec, state, shardings)
+
+    def _abstract_pool(self, pages: int) -> tuple:
+        """The shapes, dtypes and shardings of a pool of `pages` pages (nothing allocated)."""
+        pool = jax.eval_shape(lambda: self._empty_pool(pages))
+        if self.mesh is None:
+            shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), pool)
+        else:
+            shardings = jax.tree.map(_trimmed, sharding.cache_sharding(pool, self.mesh))
+        return jax.tree.map(_spec, pool, shardings)
+
+    def _empty_state(self, slots: int) -> SlotState:
+        p = self.params
+        caches, _ = _empty_paged(p, self.kv, slots, 1, self.max_len, self._layout)
+        return _empty_state(caches, slots, p.config.vocab_size)
+
+    def _empty_pool(self, pages: int) -> tuple:
+        return _empty_paged(self.params, self.kv, 1, pages, self.max_len, self._layout)[1]
 
     def _abstract_scratch(self) -> tuple:
         """The chunked prompt's full-precision K/V per layer: (k, v) [R, P, H, D], P the
@@ -867,13 +1037,14 @@ class Engine:
         return tuple((one, one) for _ in range(p.config.num_layers))
 
     def _allocate(self) -> None:
-        """The slots' state and the prefill scratch on the device, if not there yet."""
+        """The slots' state, the pool and the prefill scratch on the device, if not there yet."""
         where = lambda specs: jax.tree.map(lambda x: x.sharding, specs)
         if self._state is None:
-            p, S = self.params, self.slots
-            caches = lambda: _empty_caches(p, self.kv, S, self.max_len)
-            empty = lambda: _empty_state(caches(), S, p.config.vocab_size)
+            empty = functools.partial(self._empty_state, self.slots)
             self._state = jax.jit(empty, out_shardings=where(self._state_spec))()
+        if self._pool is None:
+            empty = functools.partial(self._empty_pool, self._pages.total)
+            self._pool = jax.jit(empty, out_shardings=where(self._pool_spec))()
         if self._scratch is None:
             zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._scratch_spec)
             self._scratch = jax.jit(zeros, out_shardings=where(self._scratch_spec))()
@@ -906,22 +1077,29 @@ class Engine:
         self._compile(f"echo_chunk[{C}]", _echo_chunk, *chunk, _i32(r, C))
         return rows[0], logits[0]
 
-    def _compile_slot_programs(self, slots: int, row, logits) -> None:
-        """insert (greedy, sampled), decode (each with or without extras) and reset for a
-        state of `slots` rows."""
-        p, state = self.params, self._abstract_state(slots)
+    def _compile_slot_programs(self, slots: int, pages: int, row, logits) -> None:
+        """insert (greedy, sampled), decode (each with or without extras), reset, and a
+        preemption's save and restore for a state of `slots` rows and `pages` pages."""
+        p, state, pool = self.params, self._abstract_state(slots), self._abstract_pool(pages)
+        table = _i32(slots, self._max_pages)
         rows = jax.tree.map(_spec, RowSampling.of([Sampling()]))
         prompted = jax.ShapeDtypeStruct((1, p.config.vocab_size), bool)
         stops = _i32(1, MAX_STOP_IDS)
+        kw = dict(mesh=self.mesh, layout=self._layout)
         for sampled in (False, True):
             kind = "sampled" if sampled else "greedy"
-            self._compile(f"insert_row[{kind}]", _insert_row, state, row, logits, rows, prompted,
-                          _i32(1), stops, _i32(), sampled=sampled, mesh=self.mesh)  # fmt: skip
+            self._compile(f"insert_row[{kind}]", _insert_row, state, pool, table, row, logits,
+                          rows, prompted, _i32(1), stops, _i32(), sampled=sampled,
+                          **kw)  # fmt: skip
             for extras in (False, True):
                 self._compile(f"decode[{kind}{', extras' if extras else ''}, "
-                              f"{self.decode_steps} steps]", _decode, p, state,
-                              steps=self.decode_steps, sampled=sampled, extras=extras)  # fmt: skip
-        self._compile("reset", _reset, p, state, _i32(), kv=self.kv)
+                              f"{self.decode_steps} steps]", _decode, p, state, pool, table,
+                              steps=self.decode_steps, sampled=sampled, extras=extras,
+                              layout=self._layout)  # fmt: skip
+        self._compile("reset", _reset, p, state, _i32(), kv=self.kv, layout=self._layout)
+        saved = self._compile("save_row", _save_row, state, pool, table, _i32(),
+                              layout=self._layout)  # fmt: skip
+        self._compile("restore_row", _restore_row, state, pool, table, saved, _i32(), **kw)
 
     def _fit_slots(self) -> int:
         """slots=None: compiles the programs, then takes as many slots as fit the limit beside
@@ -937,7 +1115,7 @@ class Engine:
         row, logits = self._compile_prompt_programs()
         prompt_costs = list(self.programs)
         prompt_temps = max(cost.temp_bytes for cost in prompt_costs)
-        plan, d, per_slot = self._plan, self._rows_per_device, 0.0
+        plan, d, per_slot, M = self._plan, self._rows_per_device, 0.0, self._max_pages
         rest = plan.limit - plan.in_use - plan.scratch - plan.reserve
         for _ in range(4):
             slots = min((rest - prompt_temps) // plan.slot, int(rest // (plan.slot + per_slot)))
@@ -945,7 +1123,7 @@ class Engine:
             if plan.slots == 0:
                 break
             self.programs = list(prompt_costs)
-            self._compile_slot_programs(plan.slots * d, row, logits)
+            self._compile_slot_programs(plan.slots * d, plan.slots * d * M, row, logits)
             slot_temps = max(cost.temp_bytes for cost in self.programs[len(prompt_costs) :])
             plan = dataclasses.replace(plan, programs=max(prompt_temps, slot_temps))
             per_slot = slot_temps / plan.slots
@@ -987,35 +1165,135 @@ class Engine:
         """Prefilled in chunks: longer than prefill_chunk, or its prompt's logprobs asked."""
         return len(h._prompt) > self.prefill_chunk or h._prompt_logprobs
 
+    def _pending(self) -> bool:
+        """(Under the lock.) Requests wait, run or are preempted, or results are unread."""
+        return bool(self._queue or self._events or any(self._occupant) or self._preempted)
+
     def _busy(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._events or any(self._occupant))
+            return self._pending()
 
     def _end(self, h: RequestHandle, reason: str, error=None) -> None:
         h._finish(reason, error)
         self._finished[reason] += 1
+        self._order.pop(h, None)
 
     def _free(self, slot: int) -> None:
-        """The slot's row back to empty, then free (the step thread only; the dispatch is
-        made without the lock, so that submit() and stats() never wait on the device)."""
+        """The slot's row back to empty, then free with its pages (the step thread only; the
+        dispatch is made without the lock, so that submit() and stats() never wait on the
+        device)."""
         try:
-            self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv)
+            self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv,
+                                 layout=self._layout)  # fmt: skip
         except Exception as e:  # the state was donated: it is lost
             self._state_fault(e)
             return
         with self._lock:
             self._occupant[slot] = None
+            self._pages.release(slot)
+
+    def _release(self, h: RequestHandle) -> None:
+        """An ended request's slot freed, or its preempted copy dropped."""
+        slot = next((s for s, o in enumerate(self._occupant) if o is h), None)
+        if slot is not None:
+            self._free(slot)
+            return
+        with self._lock:
+            self._preempted = collections.deque(p for p in self._preempted if p.request is not h)
 
     def _cancelled(self) -> None:
         with self._lock:
-            for h in self._occupant:
+            for h in [*self._occupant, *(p.request for p in self._preempted)]:
                 if h is not None and h._cancel and not h.done:
                     self._end(h, "cancelled")
+            self._preempted = collections.deque(p for p in self._preempted if not p.request.done)
             done = [s for s, h in enumerate(self._occupant) if h is not None and h.done]
         for slot in done:
             if self._long is not None and self._long.slot == slot:
                 self._long = None
             self._free(slot)
+
+    def _first_tokens(self, h: RequestHandle, held: int) -> int:
+        """Tokens the request's row holds after one more decode call, from `held` (a row
+        appends one token a step, the last token it generates not appended)."""
+        return min(held + self.decode_steps, len(h._prompt) + max(h._max_new - 1, 0))
+
+    def _place(self, h: RequestHandle, held: int, free: list[int]) -> int | None:
+        """(Under the lock.) The first of the `free` slots whose pool part holds the request's
+        `held` tokens and its next decode call's: its pages taken, the request its occupant
+        (the slot removed from `free`); None if no slot's pool has the pages."""
+        want = self._first_tokens(h, held)
+        for slot in free:
+            if self._pages.missing(slot, want) <= self._pages.free(self._pages.shard(slot)):
+                self._pages.grow(slot, want)
+                free.remove(slot)
+                self._occupant[slot], self._bound[slot] = h, held
+                self._order.setdefault(h, next(self._admissions))
+                return slot
+        return None
+
+    def _decoding(self) -> list[int]:
+        """(Under the lock.) The slots whose request decodes (not ended, not prefilling)."""
+        long = None if self._long is None else self._long.slot
+        return [s for s, h in enumerate(self._occupant) if h is not None and not h.done
+                and s != long]  # fmt: skip
+
+    def _make_room(self) -> None:
+        """Every decoding row's pages for the next decode call: where a shard's pool lacks
+        them, its most recently admitted decoding request is preempted, until they fit."""
+        while True:
+            with self._lock:
+                rows = self._decoding()
+                want = {s: self._first_tokens(self._occupant[s], self._bound[s]) for s in rows}
+                need = collections.Counter()
+                for s in rows:
+                    need[self._pages.shard(s)] += self._pages.missing(s, want[s])
+                short = [shard for shard, n in need.items() if n > self._pages.free(shard)]
+                if not short:
+                    for s in rows:
+                        self._pages.grow(s, want[s])
+                    return
+                mine = [s for s in rows if self._pages.shard(s) == short[0]]
+                victim = max(mine, key=lambda s: self._order[self._occupant[s]])
+            if not self._preempt(victim):
+                return
+
+    def _preempt(self, slot: int) -> bool:
+        """The slot's request preempted: its row and pages copied to host memory (waiting for
+        the calls made before), the slot freed. False if the state was lost on the way."""
+        h = self._occupant[slot]
+        try:
+            saved = _save_row(self._state, self._pool, self._pages.table.copy(), np.int32(slot),
+                              layout=self._layout)  # fmt: skip
+            saved = jax.device_get(saved)
+        except Exception as e:  # a call before it failed: the state is not trusted
+            self._state_fault(e)
+            return False
+        with self._lock:
+            self._preempted.append(_Preempted(h, saved, self._bound[slot]))
+            self._preemptions += 1
+        self._free(slot)
+        return self._state is not None
+
+    def _restore(self) -> bool:
+        """Preempted requests back into free slots, oldest first, while their pages fit;
+        True when none waits any more."""
+        while self._preempted:
+            with self._lock:
+                p = self._preempted[0]
+                free = [s for s, o in enumerate(self._occupant) if o is None]
+                slot = self._place(p.request, p.held, free)
+                if slot is None:
+                    return False
+                self._preempted.popleft()
+            try:
+                self._state, self._pool = _restore_row(
+                    self._state, self._pool, self._pages.table.copy(), p.saved, np.int32(slot),
+                    mesh=self.mesh, layout=self._layout,
+                )  # fmt: skip
+            except Exception as e:
+                self._request_fault(p.request, slot, e)
+        return True
 
     def _admit(self) -> None:
         """Prefills up to prefill_chunk prompt tokens (per "data" shard): the waiting short
@@ -1025,15 +1303,22 @@ class Engine:
             if self._long is not None:
                 self._chunk()
                 return
+            if not self._restore():  # preempted requests come back before new ones
+                return
             with self._lock:
                 free = [s for s, o in enumerate(self._occupant) if o is None]
                 if not free or not self._queue:
                     return
                 if self._is_long(self._queue[0]):
-                    h, slot, batch = self._queue.popleft(), free[0], None
-                    self._occupant[slot] = h
+                    h, batch = self._queue[0], None
+                    slot = self._place(h, len(h._prompt), free)
+                    if slot is None:
+                        return
+                    self._queue.popleft()
                 else:
                     batch = self._take_batch(free, budget)
+                    if not batch:
+                        return
             if batch is not None:
                 budget -= self._prefill(batch)
                 continue
@@ -1046,14 +1331,19 @@ class Engine:
 
     def _take_batch(self, free: list[int], budget: int) -> list[tuple[RequestHandle, int]]:
         """(Under the lock.) The short prompts at the queue's head that one batched call of at
-        most `budget` tokens per "data" shard holds (at least one), each given a free slot."""
+        most `budget` tokens per "data" shard holds, each given a free slot whose pool holds
+        it (none if the first does not fit)."""
         d, batch, longest = _prompt_rows(self.params), [], 0
-        while self._queue and len(batch) < len(free) and not self._is_long(self._queue[0]):
-            n = max(longest, len(self._queue[0]._prompt))
+        while self._queue and free and not self._is_long(self._queue[0]):
+            h = self._queue[0]
+            n = max(longest, len(h._prompt))
             if batch and len(batch) >= d * max(1, budget // self._bucket(n)):
                 break
-            h, slot, longest = self._queue.popleft(), free[len(batch)], n
-            self._occupant[slot] = h
+            slot = self._place(h, len(h._prompt), free)
+            if slot is None:
+                break
+            self._queue.popleft()
+            longest = n
             batch.append((h, slot))
         return batch
 
@@ -1124,16 +1414,19 @@ class Engine:
         stops[0, : len(h._stops)] = h._stops
         prompted = np.zeros((1, self.params.config.vocab_size), bool)
         prompted[0, h._prompt] = True
-        self._state, first, scores = _insert_row(
-            self._state, row, logits, RowSampling.of([s]), prompted,
-            np.array([h._max_new], np.int32), stops, np.int32(slot), sampled=s.temperature > 0,
-            mesh=self.mesh,
+        self._state, self._pool, first, scores = _insert_row(
+            self._state, self._pool, self._pages.table.copy(), row, logits, RowSampling.of([s]),
+            prompted, np.array([h._max_new], np.int32), stops, np.int32(slot),
+            sampled=s.temperature > 0, mesh=self.mesh, layout=self._layout,
         )  # fmt: skip
         jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
         self._events.append(_Tokens((first, scores), {slot: (h, 0)}))
         self._prompted += h.prompt_tokens
 
     def _decode_call(self) -> bool:
+        self._make_room()
+        if self._state is None:  # lost while preempting
+            return False
         with self._lock:
             live = tuple(
                 None if h is None or (self._long is not None and self._long.slot == s) else h
@@ -1144,12 +1437,17 @@ class Engine:
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
         extras = any(h is not None and h._extras for h in live)
         try:
-            self._state, out, scores = _decode(self.params, self._state, steps=self.decode_steps,
-                                               sampled=sampled, extras=extras)  # fmt: skip
+            self._state, self._pool, out, scores = _decode(
+                self.params, self._state, self._pool, self._pages.table.copy(),
+                steps=self.decode_steps, sampled=sampled, extras=extras, layout=self._layout,
+            )  # fmt: skip
             jax.tree.map(lambda x: x.copy_to_host_async(), (out, scores))
         except Exception as e:
             self._state_fault(e)
             return False
+        with self._lock:
+            for s in self._decoding():
+                self._bound[s] = self._first_tokens(self._occupant[s], self._bound[s])
         owners = {s: (h, s) for s, h in enumerate(live) if h is not None}
         self._events.append(_Tokens((out, scores), owners))
         self._decode_calls += 1
@@ -1177,7 +1475,7 @@ class Engine:
 
     def _tokens(self, event: _Tokens, arrays) -> None:
         tokens, scores = arrays
-        for s, (h, row) in event.owners.items():
+        for h, row in event.owners.values():
             for j, t in enumerate(tokens[row]):
                 if h.done or t < 0:
                     break
@@ -1188,7 +1486,7 @@ class Engine:
                 if reason is not None:
                     with self._lock:
                         self._end(h, reason)
-                    self._free(s)
+                    self._release(h)
 
     def _prompt_scores(self, event: _PromptScores, scores: TokenLogprobs) -> None:
         """Row 0's scores of the chunk's positions: position p scores prompt token p + 1."""
@@ -1214,7 +1512,8 @@ class Engine:
         with self._lock:
             self._end(h, "error", error)
             self._occupant[slot] = None
-        if _lost(self._state):
+            self._pages.release(slot)
+        if _lost(self._state) or _lost(self._pool):
             self._state_fault(error)
         elif _lost(self._scratch):
             self._scratch = None
@@ -1231,9 +1530,10 @@ class Engine:
                     if not h.done:
                         self._end(h, "error", error)
                     self._occupant[s] = None
+                    self._pages.release(s)
         self._events = collections.deque(e for e in self._events if isinstance(e, _PromptScores))
-        state, self._state = self._state, None
-        for x in jax.tree.leaves(state):
+        lost, self._state, self._pool = (self._state, self._pool), None, None
+        for x in jax.tree.leaves(lost):
             if not x.is_deleted():
                 x.delete()
         self._allocate_or_break()
@@ -1251,10 +1551,11 @@ class Engine:
         thread stops and submit() refuses."""
         with self._lock:
             self.failure, self._accepting, self._running = error, False, False
-            for h in [*self._queue, *self._occupant]:
+            for h in [*self._queue, *self._occupant, *(p.request for p in self._preempted)]:
                 if h is not None and not h.done:
                     self._end(h, "error", error)
             self._queue.clear()
+            self._preempted.clear()
             self._occupant = [None] * self.slots
             self._work.notify_all()
         self._long, self._events = None, collections.deque()
@@ -1262,9 +1563,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while self._running and not (self._queue or self._events or any(self._occupant)):
+                while self._running and not self._pending():
                     self._work.wait(0.1)
-                if not self._running and not (self._events or any(self._occupant) or self._queue):
+                if not self._running and not self._pending():
                     return
             if self.failure is not None:
                 return
