@@ -18,8 +18,7 @@ from tiny_model import tiny_params
 import kivi_jax
 from kivi_jax.generate import Sampling, generate
 from kivi_jax.memory import memory_report
-from kivi_jax.serving import Engine, EngineError, QueueFullError
-from kivi_jax.serving import engine as engine_module
+from kivi_jax.serving import Engine, EngineError, QueueFullError, programs
 
 compiled: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -235,6 +234,8 @@ def test_submit_rejects_what_cannot_run(params):
         (dict(prefill_chunk=0), "prefill_chunk must be a positive int"),
         (dict(kv="kivi3"), "unknown kv"),
         (dict(eos_id=999), "eos_id 999 is outside"),
+        (dict(kv="kivi2-mix", prefix_sharing=True), "not supported for a mixed-precision state"),
+        (dict(page_size=96), "multiple of the residual length R=128"),
     ],
 )
 def test_bad_engine_arguments(params, kw, message):
@@ -261,14 +262,14 @@ def test_background_thread_and_async_iteration(params):
 
 def test_a_fault_in_one_requests_prefill_ends_that_request_only(params, monkeypatch):
     MARK = 261  # a prompt starting with it fails in its prefill (prompt() draws ids < 260)
-    real = engine_module._prefill_batch
+    real = programs.prefill_batch
 
     def prefill(params, tokens, lengths, **kw):
         if (tokens[:, 0] == MARK).any():
             raise RuntimeError("prefill fault")
         return real(params, tokens, lengths, **kw)
 
-    monkeypatch.setattr(engine_module, "_prefill_batch", prefill)
+    monkeypatch.setattr(programs, "prefill_batch", prefill)
     e = engine(params, "full")
     ok, bad = prompt(20, seed=6), [MARK, *prompt(9, seed=7)]
     h_ok = e.submit(ok, max_new_tokens=10)
@@ -334,9 +335,7 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
     request waits: the decoding request ends with the fault; the state is rebuilt; the long
     prompt (its own one-row state) and the waiting request then get the tokens of their
     prompts alone."""
-    monkeypatch.setattr(
-        engine_module, "_decode", fails_at_call(engine_module._decode, 2, "decode fault")
-    )
+    monkeypatch.setattr(programs, "decode", fails_at_call(programs.decode, 2, "decode fault"))
     e = engine(params, "full")
     ids = {"running": prompt(20, seed=8), "long": prompt(70, seed=9), "queued": prompt(9, 10)}
     running = e.submit(ids["running"], max_new_tokens=30)
@@ -355,9 +354,7 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
 def test_a_reset_fault_ends_the_states_requests_and_the_engine_serves_on(params, monkeypatch):
     """Freeing a finished request's slot fails (the donated state is lost): the requests the
     state held end with the fault, the state is rebuilt, and the next request is served."""
-    monkeypatch.setattr(
-        engine_module, "_reset", fails_at_call(engine_module._reset, 1, "reset fault")
-    )
+    monkeypatch.setattr(programs, "reset", fails_at_call(programs.reset, 1, "reset fault"))
     e = engine(params, "full")
     short, long = (
         e.submit(prompt(9, seed=13), max_new_tokens=2),
@@ -410,7 +407,7 @@ def test_an_engine_that_cannot_rebuild_its_state_stops(params, monkeypatch):
             raise MemoryError("no device memory left")
         allocate()
 
-    monkeypatch.setattr(engine_module, "_decode", decode)
+    monkeypatch.setattr(programs, "decode", decode)
     monkeypatch.setattr(e, "_allocate", no_memory)
     running, waiting = (e.submit(prompt(10, seed=s), max_new_tokens=5) for s in (11, 12))
     e.start()
@@ -431,14 +428,14 @@ def test_submit_and_stats_never_wait_on_a_device_dispatch(params, monkeypatch):
     """A slot's reset (a jitted dispatch) that takes long: submit() and stats() answer
     meanwhile (the engine's lock is not held across dispatches)."""
     entered, release = threading.Event(), threading.Event()
-    real = engine_module._reset
+    real = programs.reset
 
     def slow_reset(*args, **kwargs):
         entered.set()
         release.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "_reset", slow_reset)
+    monkeypatch.setattr(programs, "reset", slow_reset)
     e = engine(params, "full")
     e.submit(prompt(10, seed=14), max_new_tokens=2)
     stepping = threading.Thread(target=lambda: [None for _ in iter(e.step, False)])
@@ -506,17 +503,17 @@ def test_a_chunked_prompt_gives_the_logits_and_state_of_one_prefill(params):
     n = 70
     ids = np.zeros((1, 128), np.int32)
     ids[0, :n] = prompt(n, seed=20)
-    (whole,), (states,) = engine_module._prefill_batch(
-        params, ids, np.array([n], np.int32), kv=engine_module.resolve_kv("kivi2"), max_len=128
+    (whole,), (states,) = programs.prefill_batch(
+        params, ids, np.array([n], np.int32), kv=kivi_jax.KIVI2, max_len=128
     )
     e = engine(params, "kivi2")
     e._allocate()
-    caches, scratch = engine_module._empty_row(params, kv=e.kv, max_len=128), e._scratch
+    caches, scratch = programs.empty_row(params, kv=e.kv, max_len=128), e._scratch
     for offset in range(0, n, CHUNK):
         part = ids[:, offset : min(offset + CHUNK, n)]
         tokens = np.zeros((1, CHUNK), np.int32)
         tokens[:, : part.shape[1]] = part
-        logits, scratch, caches = engine_module._prefill_chunk(
+        logits, scratch, caches = programs.prefill_chunk(
             params, tokens, np.int32(offset), np.array([part.shape[1]], np.int32), scratch, caches
         )
     for chunked, one in zip(caches, states, strict=True):
@@ -540,9 +537,9 @@ def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
     assert e._state is None  # nothing allocated yet
     before = len(compiled)
     e.warmup()  # allocates the state (small programs of its own) and compiles nothing else
-    names = ["_prefill_batch", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode"]
-    programs = {f"jit({name})" for name in names}
-    assert programs.isdisjoint(compiled[before:]) and e.memory_plan == plan
+    names = ["prefill_batch", "prefill_chunk", "empty_row", "insert_row", "reset", "decode"]
+    jitted = {f"jit({name})" for name in names}
+    assert jitted.isdisjoint(compiled[before:]) and e.memory_plan == plan
     h = e.submit(prompt(20, seed=1), max_new_tokens=5)
     while e.step():
         pass
@@ -616,3 +613,29 @@ def test_requests_shorter_than_max_len_run_several_times_more_at_once():
         most = max(most, e.stats().live_slots)
     assert most >= 24
     assert all(h.finish_reason == "length" and len(h.result()) == 16 for h in handles)
+
+
+@pytest.mark.parametrize("kv", ["kivi2", "full"])
+def test_requests_sharing_a_prefix_compute_it_once(kv):
+    """16 requests whose prompts share their first 600 tokens: each after the first takes the
+    prefix's sealed pages and computes only the rest, so the prompt tokens computed are at
+    most half of 16 whole prompts'. KIVI-2: 3 pages of 128 (384 tokens, leaving R = 128 after
+    them); the rest attends to the prefix's quantized keys and values. Full precision: 4 pages
+    (512 tokens), read back exactly, so every request's tokens are generate's alone."""
+    params = tiny_params(seed=0, tie_embeddings=False, max_context=1024)
+    e = Engine(params, kv=kv, slots=4, max_len=768, prefill_chunk=128, decode_steps=4,
+               prefix_sharing=True)  # fmt: skip
+    prefix = prompt(600, seed=40)
+    ids = [prefix + prompt(20, seed=41 + i) for i in range(16)]
+    handles = [e.submit(x, max_new_tokens=4) for x in ids]
+    while e.step():
+        pass
+    s = e.stats()
+    assert all(h.finish_reason == "length" and len(h.result()) == 4 for h in handles)
+    shared = 384 if kv == "kivi2" else 512
+    assert s.prefix_hit_tokens == 15 * shared
+    assert s.prompt_tokens == 16 * 620 and 2 * s.prompt_tokens_computed <= s.prompt_tokens
+    assert s.pages_used == 0
+    if kv == "full":
+        for h, x in list(zip(handles, ids, strict=True))[:3]:
+            assert h.result() == alone(params, kv, x, 4)

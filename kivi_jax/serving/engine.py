@@ -1,85 +1,45 @@
 """A continuous-batching engine: requests arrive and finish at any time, each in a slot (a row)
-of one fixed-shape KV state, decoded together.
+of one fixed-shape KV state whose quantized tokens live in a pool of pages, decoded together.
 
-The device side is a few pure jitted functions over `SlotState` (the KV state of `slots` rows
-and each row's sampling values, counters, stop ids and token counts), each donating the state so
-that it is updated in place:
-
-    _prefill_batch  waiting prompts of at most prefill_chunk tokens each, as the rows of one
-                    padded batch [N, W] (W a prompt bucket, N * W <= prefill_chunk per "data"
-                    shard, or one prompt alone) -> each prompt's logits and one-row KV state
-                    (llama.prefill)
-    _prefill_chunk  a longer prompt, one chunk per call: full-precision attention over the
-                    prompt so far (a full-precision K/V scratch), K/V added to a one-row state
-    _echo_chunk     _prefill_chunk that also returns the logprobs of the chunk's prompt tokens
-                    (every position's logits: any prompt whose own logprobs are asked)
-    _insert_row     the one-row state and the first token into a slot (its whole row written,
-                    other rows untouched)
-    _reset          a slot back to the empty state of init_cache (inactive)
-    _decode         `decode_steps` decode steps of every slot in one call (inactive slots append
-                    nothing), returning their tokens [slots, decode_steps]
-
-_decode comes in four programs, two static flags: `sampled` (some row samples: the sort and
-the draw) and `extras` (some row has a penalty or asks for logprobs: the penalties applied, the
-generated tokens counted, each token's logprobs and the MAX_LOGPROBS most likely computed). A
-decode program whose rows are all greedy without either holds none of it. _insert_row (one row,
-once a request) always applies its penalties and computes its logprobs, greedy or sampled.
-
-Rows are written with tree_map over the state's arrays on kivi_jax.cache.BATCH_AXIS (the
-layout's invariant: every per-row array holds its rows on axis 0). The host side (`Engine`)
-is the scheduler: a bounded FIFO queue, slot bookkeeping, and the tokens read back one decode
-call late (the next call is dispatched before the previous one's tokens are read), so the
-device never waits for the host between calls.
-
-On a mesh (kivi_jax.sharding) the params carry it and the model's calls run under shard_map:
-every state array holds its KV heads split over "model" and its slots over "data" (if the mesh
-has it), the prefill scratch likewise, and each program above returns the state in those
-shardings. The one-row programs (a prompt's prefill, its chunks, its one-row state) run on one
-row per "data" shard, each the same prompt, so that each device holds a row's share of KV heads
-and none waits for another; the insert takes the first. A batch of short prompts runs as rows
-split over "data" (a multiple of its size): each device prefills its share of the prompts, and
-each prompt's one-row state is then that row on every "data" shard.
+The device side is `kivi_jax.serving.programs` (pure jitted functions over the slots' state and
+the pool); the host side here (`Engine`) is the scheduler: a bounded FIFO queue, slot and page
+bookkeeping (`kivi_jax.serving.pool`), preemption, and the tokens read back one decode call late
+(the next call is dispatched before the previous one's tokens are read), so the device never
+waits for the host between calls. A request's handle is `kivi_jax.serving.handle`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import functools
+import hashlib
 import itertools
 import threading
 import time
 from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from kivi_jax import paged, sharding
-from kivi_jax.cache import BATCH_AXIS, init_cache
 from kivi_jax.config import KiviConfig
-from kivi_jax.generate import (
-    PROMPT_BUCKET,
-    RowSampling,
-    Sampling,
-    TokenCounts,
-    penalize,
-    resolve_kv,
-    sample,
-)
+from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv
 from kivi_jax.memory import memory_report
-from kivi_jax.models import llama
 from kivi_jax.models.llama import LlamaParams
-from kivi_jax.paged import PagedCache
-from kivi_jax.serving import sizing
+from kivi_jax.serving import programs, sizing
+from kivi_jax.serving.handle import EngineError, Logprob, QueueFullError, RequestHandle
 from kivi_jax.serving.pool import PagePool
+from kivi_jax.serving.programs import (
+    MAX_LOGPROBS,
+    MAX_STOP_IDS,
+    PageLayout,
+    SlotState,
+    TokenLogprobs,
+)
 from kivi_jax.serving.sizing import MemoryPlan
-
-MAX_STOP_IDS = 16  # stop ids per request, the engine's eos_id and the request's eos_id included
-MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's chat top_logprobs limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,143 +70,6 @@ def _i32(*shape) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-class QueueFullError(RuntimeError):
-    """submit() while max_queue requests already wait."""
-
-
-class EngineError(RuntimeError):
-    """An exception inside the engine ended the request (raised when its tokens are read)."""
-
-
-@flax.struct.dataclass
-class SlotState:
-    """The engine's device state: every array holds one row per slot on axis 0."""
-
-    caches: tuple  # per layer the per-slot part of the paged state (PagedCache.rows), batch = slots
-    last: jax.Array  # int32 [S]: the token fed at the next step
-    active: jax.Array  # bool [S]: the slot decodes
-    count: jax.Array  # int32 [S]: tokens generated (the index of the next one)
-    limit: jax.Array  # int32 [S]: max_new_tokens
-    stops: jax.Array  # int32 [S, MAX_STOP_IDS]: tokens that end the request, -1 unused
-    rows: RowSampling  # sampling values [S]
-    counts: TokenCounts  # [S, V]: the prompt's ids and the generated ones (the penalties')
-
-
-@flax.struct.dataclass
-class TokenLogprobs:
-    """Log-probabilities under the model: the float32 log-softmax of its logits, before
-    penalties and temperature (vLLM's default), of a token and of the most likely ones."""
-
-    logprob: jax.Array  # float32 [...]: the token's
-    top_ids: jax.Array  # int32 [..., MAX_LOGPROBS]: the most likely ids, most likely first
-    top_logprobs: jax.Array  # float32 [..., MAX_LOGPROBS]
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
-    """logits float32 [..., V], tokens int32 [...] -> their TokenLogprobs (top-k on the
-    device: MAX_LOGPROBS per position leave it)."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
-    return TokenLogprobs(logprob=chosen, top_ids=ids.astype(jnp.int32), top_logprobs=top)
-
-
-@dataclasses.dataclass(frozen=True)
-class Logprob:
-    """A token's log-probability (TokenLogprobs) read back: `top` holds the request's
-    `logprobs` most likely (id, logprob), most likely first."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-def _kv_heads(params: LlamaParams) -> int:
-    """KV heads the state holds: the model's, or on a mesh sharding.kv_heads_on_mesh."""
-    h, mesh = params.config.num_kv_heads, params.mesh
-    return h if mesh is None else sharding.kv_heads_on_mesh(h, mesh)
-
-
-def _prompt_rows(params: LlamaParams) -> int:
-    """Rows of the one-row programs: one per "data" shard of the mesh (module doc), else 1."""
-    mesh = params.mesh
-    return 1 if mesh is None else dict(mesh.shape).get(sharding.DATA_AXIS, 1)
-
-
-def _empty_caches(params: LlamaParams, kv: KiviConfig | None, batch: int, max_len: int):
-    c = params.config
-    return init_cache(
-        kv, batch=batch, max_len=max_len, num_kv_heads=_kv_heads(params), head_dim=c.head_dim,
-        dtype=params.dtype, num_layers=c.num_layers,
-    )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class PageLayout:
-    """The pool's static layout: page_size tokens a page, and the state's arrays with a token
-    axis (kivi_jax.paged.token_axes), which the pool holds."""
-
-    page_size: int
-    token_axes: tuple[tuple[str, int], ...]
-
-    def layers(self, caches, pool, table) -> tuple[PagedCache, ...]:
-        """Each layer's PagedCache: its per-slot part, its pages, the table [S, M]."""
-        kw = dict(table=table, page_size=self.page_size, token_axes=self.token_axes)
-        return tuple(PagedCache(rows=c, pages=p, **kw) for c, p in zip(caches, pool, strict=True))
-
-
-def _empty_paged(params: LlamaParams, kv, slots: int, pages: int, max_len: int, layout):
-    """(the per-slot parts of `slots` empty rows, `pages` pages) per layer."""
-    c = params.config
-    layers = paged.init_paged(
-        kv, batch=slots, pages=pages, page_size=layout.page_size, max_len=max_len,
-        num_kv_heads=_kv_heads(params), head_dim=c.head_dim, dtype=params.dtype,
-        num_layers=c.num_layers,
-    )  # fmt: skip
-    return tuple(x.rows for x in layers), tuple(x.pages for x in layers)
-
-
-def _empty_state(caches, batch: int, vocab: int) -> SlotState:
-    """init_cache's empty state `caches` (a mixed state's empty heavy slots -1 / -inf), every
-    row inactive."""
-    return SlotState(
-        caches=caches,
-        last=jnp.zeros(batch, jnp.int32),
-        active=jnp.zeros(batch, bool),
-        count=jnp.zeros(batch, jnp.int32),
-        limit=jnp.zeros(batch, jnp.int32),
-        stops=jnp.full((batch, MAX_STOP_IDS), -1, jnp.int32),
-        rows=jax.tree.map(jnp.asarray, RowSampling.of([Sampling()] * batch)),
-        counts=TokenCounts(
-            generated=jnp.zeros((batch, vocab), jnp.int32), prompted=jnp.zeros((batch, vocab), bool)
-        ),
-    )
-
-
-def _keep_pool(pool, mesh: Mesh | None):
-    """Inside jit: the pool in its shardings (pages over "data", KV heads over "model")."""
-    if mesh is None:
-        return pool
-    return jax.lax.with_sharding_constraint(pool, sharding.cache_sharding(pool, mesh))
-
-
-def _state_sharding(state: SlotState, mesh: Mesh) -> SlotState:
-    """The NamedSharding of each state array on `mesh`: the caches as sharding.cache_sharding
-    (KV heads over "model", slots over "data"), every other array's slots over "data"."""
-    rows = NamedSharding(mesh, sharding.rows_spec(mesh))
-    return dataclasses.replace(
-        jax.tree.map(lambda _: rows, state), caches=sharding.cache_sharding(state.caches, mesh)
-    )
-
-
-def _keep_sharding(state: SlotState, mesh: Mesh | None) -> SlotState:
-    """Inside jit: the state returned in its shardings (_state_sharding), so that every program
-    gives back the state as it took it (and its donation is used)."""
-    if mesh is None:
-        return state
-    return jax.lax.with_sharding_constraint(state, _state_sharding(state, mesh))
-
-
 def _bytes(tree) -> int:
     """Bytes of `tree`'s arrays (concrete or abstract), whole."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
@@ -255,180 +78,6 @@ def _bytes(tree) -> int:
 def _lost(tree) -> bool:
     """Some array of `tree` was deleted (donated to a program that failed)."""
     return any(x.is_deleted() for x in jax.tree.leaves(tree))
-
-
-def _put_row(state, row, slot):
-    """`row` (the same pytree with one row) written over row `slot` of `state`."""
-    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
-        big, small.astype(big.dtype), slot, axis=BATCH_AXIS
-    )
-    return jax.tree.map(put, state, row)
-
-
-@functools.partial(jax.jit, static_argnames=("kv", "max_len"))
-def _prefill_batch(params, tokens, lengths, *, kv, max_len):
-    """tokens int32 [N, W] (one prompt a row, right-padded; rows past the real prompts are
-    padding), lengths int32 [N] -> (per row its logits [R, V], per row its state of R rows:
-    the one-row format of the chunk program and _insert_row, R = _prompt_rows, the row
-    repeated)."""
-    N, R = tokens.shape[0], _prompt_rows(params)
-    caches = _sharded_rows(params, _empty_caches(params, kv, N, max_len))
-    logits, caches = llama.prefill(params, tokens, lengths, caches)
-
-    def row(tree, i):
-        take = lambda x: jnp.repeat(jax.lax.slice_in_dim(x, i, i + 1, axis=BATCH_AXIS), R, axis=0)
-        return jax.tree.map(take, tree)
-
-    states = tuple(_sharded_rows(params, row(caches, i)) for i in range(N))
-    logits = tuple(row(logits, i) for i in range(N))
-    if params.mesh is not None:  # as the chunk program returns them
-        rows = NamedSharding(params.mesh, sharding.rows_spec(params.mesh))
-        logits = jax.lax.with_sharding_constraint(logits, (rows,) * N)
-    return logits, states
-
-
-def _sharded_rows(params, caches):
-    """Inside jit: on a mesh, `caches` in sharding.cache_sharding (rows over "data")."""
-    if params.mesh is None:
-        return caches
-    return jax.lax.with_sharding_constraint(caches, sharding.cache_sharding(caches, params.mesh))
-
-
-@functools.partial(jax.jit, static_argnames=("kv", "max_len"))
-def _empty_row(params, *, kv, max_len):
-    """The empty state of a prompt's rows; on a mesh in the shardings the chunk program
-    returns (sharding.cache_sharding), so that every chunk of a prompt runs one program."""
-    return _sharded_rows(params, _empty_caches(params, kv, _prompt_rows(params), max_len))
-
-
-_prefill_chunk = jax.jit(llama.prefill_chunk, donate_argnames=("scratch", "caches"))
-
-
-@functools.partial(jax.jit, donate_argnames=("scratch", "caches"))
-def _echo_chunk(params, tokens, offset, count, scratch, caches, following):
-    """_prefill_chunk that also scores the chunk's prompt tokens: following int32 [R, C] is the
-    prompt's token after each of the chunk's positions -> (logits of the last real token
-    [R, V], the scratch, the states, TokenLogprobs [R, C] of `following`)."""
-    logits, scratch, caches = llama.prefill_chunk(
-        params, tokens, offset, count, scratch, caches, every_position=True
-    )  # logits [R, C, V]
-    last = jnp.take_along_axis(logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, scratch, caches, token_logprobs(logits, following)
-
-
-def _put_sequence(state: SlotState, pool, table, caches, row: SlotState, slot, layout):
-    """Inside jit: a request's contiguous one-row state `caches` into row `slot` (its pages
-    through table[slot]) and `row`'s other arrays -> (state, pool)."""
-    layers = [
-        paged.put_sequence(x, c, slot)
-        for x, c in zip(layout.layers(state.caches, pool, table), caches, strict=True)
-    ]
-    others = _put_row(dataclasses.replace(state, caches=()), row, slot)
-    return (
-        dataclasses.replace(others, caches=tuple(x.rows for x in layers)),
-        tuple(x.pages for x in layers),
-    )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("sampled", "mesh", "layout"), donate_argnames=("state", "pool")
-)
-def _insert_row(
-    state: SlotState, pool, table, caches, logits, rows: RowSampling, prompted, limit, stops,
-    slot, *, sampled, mesh, layout,
-):  # fmt: skip
-    """A prefilled request (its state, last logits [R, V] of R equal rows, sampling values,
-    its prompt's ids prompted bool [1, V], limit [1], stops [1, MAX_STOP_IDS]) into row
-    `slot`, its pages through table[slot]; returns (state, pool, its first token [1, 1], its
-    TokenLogprobs [1, 1]). The penalties and the logprobs of this one row are always computed
-    (a few operations over [1, V])."""
-    first_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=BATCH_AXIS)
-    caches, logits = jax.tree.map(first_row, caches), logits[:1]
-    counts = TokenCounts(generated=jnp.zeros(prompted.shape, jnp.int32), prompted=prompted)
-    first = sample(penalize(logits, rows, counts), rows, jnp.zeros(1, jnp.int32), sampled=sampled)
-    ends = jnp.any(first[:, None] == stops, axis=1) | (limit <= 1)
-    row = SlotState(
-        caches=(), last=first, active=~ends, count=jnp.ones(1, jnp.int32), limit=limit,
-        stops=stops, rows=rows, counts=counts.add(first, jnp.ones(1, bool)),
-    )  # fmt: skip
-    scores = token_logprobs(logits[:, None], first[:, None])
-    state, pool = _put_sequence(state, pool, table, caches, row, slot, layout)
-    return _keep_sharding(state, mesh), _keep_pool(pool, mesh), first[:, None], scores
-
-
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _save_row(state: SlotState, pool, table, slot, *, layout):
-    """Row `slot` as a one-row SlotState whose caches are its contiguous state (its pages
-    gathered through table[slot]): a preempted request's, read back to the host."""
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=BATCH_AXIS)
-    layers = layout.layers(state.caches, pool, table)
-    return dataclasses.replace(
-        jax.tree.map(take, dataclasses.replace(state, caches=())),
-        caches=tuple(paged.sequence(x, slot) for x in layers),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "layout"), donate_argnames=("state", "pool"))
-def _restore_row(state: SlotState, pool, table, saved: SlotState, slot, *, mesh, layout):
-    """A preempted request's saved row (_save_row's) back into row `slot`, its pages through
-    table[slot] -> (state, pool)."""
-    row = dataclasses.replace(saved, caches=())
-    state, pool = _put_sequence(state, pool, table, saved.caches, row, slot, layout)
-    return _keep_sharding(state, mesh), _keep_pool(pool, mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("kv", "layout"), donate_argnames=("state",))
-def _reset(params, state: SlotState, slot, *, kv, layout):
-    """Row `slot` back to init_cache's empty state, inactive (its pages are the host's to
-    free: the row's table entries are no longer passed)."""
-    caches, _ = _empty_paged(params, kv, 1, 1, state.caches[0].max_len, layout)
-    empty = _empty_state(caches, 1, params.config.vocab_size)
-    return _keep_sharding(_put_row(state, empty, slot), params.mesh)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("steps", "sampled", "extras", "layout"),
-    donate_argnames=("state", "pool"),
-)  # fmt: skip
-def _decode(
-    params, state: SlotState, pool, table, *, steps: int, sampled: bool, extras: bool, layout
-):
-    """`steps` decode steps of every active slot, the pages read and written through `table`
-    [S, M] (the host's: every live slot's pages for the call's tokens) -> (state, pool,
-    tokens int32 [S, steps], -1 where the slot was inactive, and with `extras` (static: the
-    penalties applied, the tokens counted, the logprobs computed) their TokenLogprobs
-    [S, steps], else None). A slot stops after a stop id or its limit."""
-    S = state.last.shape[0]
-
-    def step(i, carry):
-        s, pool, out, scores = carry
-        logits, layers = llama.decode_step(
-            params, s.last, s.caches[0].lengths, layout.layers(s.caches, pool, table),
-            active=s.active,
-        )  # fmt: skip
-        caches, pool = tuple(x.rows for x in layers), tuple(x.pages for x in layers)
-        chosen = penalize(logits, s.rows, s.counts) if extras else logits
-        tok = jnp.where(s.active, sample(chosen, s.rows, s.count, sampled=sampled), -1)
-        count = s.count + s.active.astype(jnp.int32)
-        ends = jnp.any(tok[:, None] == s.stops, axis=1) | (count >= s.limit)
-        s = dataclasses.replace(
-            s, caches=caches, last=jnp.where(s.active, tok, s.last), count=count,
-            active=s.active & ~ends, counts=s.counts.add(tok, s.active) if extras else s.counts,
-        )  # fmt: skip
-        if extras:
-            new = token_logprobs(logits, tok)
-            scores = jax.tree.map(lambda all, x: all.at[:, i].set(x), scores, new)
-        return s, pool, out.at[:, i].set(tok), scores
-
-    out = jnp.full((S, steps), -1, jnp.int32)
-    scores = None
-    if extras:
-        scores = TokenLogprobs(
-            logprob=jnp.zeros((S, steps)), top_ids=jnp.zeros((S, steps, MAX_LOGPROBS), jnp.int32),
-            top_logprobs=jnp.zeros((S, steps, MAX_LOGPROBS)),
-        )  # fmt: skip
-    state, pool, out, scores = jax.lax.fori_loop(0, steps, step, (state, pool, out, scores))
-    return _keep_sharding(state, params.mesh), _keep_pool(pool, params.mesh), out, scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +95,7 @@ class EngineStats:
     pages_total: int
     pages_used: int
     preemptions: int  # requests moved to host memory when pages ran out
+    prefix_hit_tokens: int  # prompt tokens taken from shared pages, not computed
     prefill_scratch_bytes: int  # the full-precision K/V of a chunked prompt (+ its one-row state)
     requests_finished: dict[str, int]  # by finish_reason
     generated_tokens: int
@@ -453,128 +103,6 @@ class EngineStats:
     prompt_tokens_computed: int  # real prompt tokens run through the model (padding not counted)
     prefill_calls: int  # jitted prefill calls: batches of short prompts and chunks
     decode_calls: int  # jitted calls of decode_steps steps
-
-
-class RequestHandle:
-    """A submitted request: its tokens as they are produced (iterate, async-iterate or
-    result()), its finish_reason once done. With `logprobs` asked, `logprobs[i]` is token i's
-    Logprob once token i is out, and with `prompt_logprobs` `prompt_logprobs` holds the
-    prompt's (None for its first token, which nothing predicts) before the first token is out
-    (or the request is done)."""
-
-    def __init__(self, id: int, prompt: np.ndarray, sampling: Sampling, max_new_tokens: int,
-                 stops: tuple[int, ...], logprobs: int | None = None,
-                 prompt_logprobs: bool = False):  # fmt: skip
-        self.id = id
-        self.prompt_tokens = len(prompt)
-        self.logprobs: list[Logprob] = []
-        self.prompt_logprobs: list[Logprob | None] = [None] if prompt_logprobs else []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.submit_time = time.perf_counter()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self._prompt, self._sampling, self._max_new, self._stops = (
-            prompt, sampling, max_new_tokens, stops
-        )  # fmt: skip
-        self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
-        self._tokens: list[int] = []
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._cancel = False
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def tokens(self) -> list[int]:
-        """The tokens produced so far."""
-        with self._cond:
-            return list(self._tokens)
-
-    def _wake(self):
-        self._cond.notify_all()
-        for loop, event in self._waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop was closed
-                pass
-
-    @property
-    def _extras(self) -> bool:
-        """Its programs apply penalties or compute logprobs."""
-        return self._sampling.penalized or self._logprobs is not None
-
-    def _push(self, token: int, logprob: Logprob | None = None) -> str | None:
-        """Adds a token (and its Logprob); returns the finish_reason it implies, if any."""
-        with self._cond:
-            if self.first_token_time is None:
-                self.first_token_time = time.perf_counter()
-            if logprob is not None:
-                self.logprobs.append(logprob)
-            self._tokens.append(token)
-            self._wake()
-            if token in self._stops:
-                return "stop"
-            return "length" if len(self._tokens) >= self._max_new else None
-
-    def _finish(self, reason: str, error: BaseException | None = None):
-        with self._cond:
-            if self.finish_reason is None:
-                self.finish_reason, self.error = reason, error
-                self.finish_time = time.perf_counter()
-            self._wake()
-
-    def _raise_if_failed(self):
-        if self.error is not None:
-            raise EngineError(
-                f"request {self.id} failed after {len(self._tokens)} tokens: {self.error!r}"
-            ) from self.error
-
-    def __iter__(self):
-        i = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda i=i: len(self._tokens) > i or self.done)
-                new, done = self._tokens[i:], self.done
-            yield from new
-            i += len(new)
-            if done and not new:
-                self._raise_if_failed()
-                return
-
-    def __aiter__(self):
-        return self._async_tokens()
-
-    async def _async_tokens(self):
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event))
-        try:
-            i = 0
-            while True:
-                event.clear()
-                with self._cond:
-                    new, done = self._tokens[i:], self.done
-                for t in new:
-                    yield t
-                i += len(new)
-                if done and not new:
-                    self._raise_if_failed()
-                    return
-                if not new:
-                    await event.wait()
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, event))
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout):
-                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
-            self._raise_if_failed()
-            return list(self._tokens)
 
 
 @dataclasses.dataclass
@@ -589,7 +117,7 @@ class _LongPrompt:
 
 @dataclasses.dataclass
 class _Preempted:
-    """A preempted request: its row as _save_row returns it (its caches contiguous), in host
+    """A preempted request: its row as programs.save_row returns it (its caches contiguous), in host
     memory, and the tokens the row holds at most."""
 
     request: RequestHandle
@@ -643,6 +171,12 @@ class Engine:
         max_len tokens of pages (what `slots` slots reserved at max_len take, max_len
         rounded up to a page).
       page_size: tokens a page holds: a multiple of a KIVI state's residual length R.
+      prefix_sharing: a prompt that starts with the sealed pages of an earlier prompt (its
+        tokens R past their end; the pages of a request that ended are kept until needed)
+        takes them by reference and prefills only the rest, which then attends to the
+        prefix's quantized keys and values (not full precision: a different result from a
+        cold prefill, docs/serving.md). Off by default. Refused for a mixed-precision state
+        (kivi2-mix, kivi2-lean), whose per-sequence sinks and heavy tokens are not shared.
       prefill_chunk: prompt tokens prefilled per scheduler step (per "data" shard of a mesh):
         prompts up to this long are prefilled whole, several waiting ones as the rows of one
         call (rows x their bucket's width <= prefill_chunk); longer ones in chunks of this many
@@ -681,6 +215,7 @@ class Engine:
         max_len: int = 2048,
         kv_bytes: int | None = None,
         page_size: int = 128,
+        prefix_sharing: bool = False,
         prefill_chunk: int = 256,
         max_queue: int = 64,
         eos_id: int | None = None,
@@ -702,6 +237,13 @@ class Engine:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {c.max_context}")
         if eos_id is not None and not 0 <= eos_id < c.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {c.vocab_size})")
+        if not isinstance(prefix_sharing, bool):
+            raise ValueError(f"prefix_sharing must be a bool, got {prefix_sharing!r}")
+        if prefix_sharing and isinstance(resolve_kv(kv), KiviConfig) and resolve_kv(kv).mixed:
+            raise ValueError(
+                "prefix_sharing is not supported for a mixed-precision state (kivi2-mix, "
+                "kivi2-lean): its per-sequence sinks and heavy tokens would not be shared"
+            )
         if slots is None and kv_bytes is not None:
             raise ValueError("kv_bytes needs slots (slots=None sizes both to the device)")
         mesh = sharding.mesh_for(params, mesh)
@@ -713,12 +255,13 @@ class Engine:
             self._devices = [jax.tree.leaves(params)[0].device]
             params = jax.device_put(params, self._devices[0])
         self.params, self.kv, self.mesh = params, resolve_kv(kv), mesh
+        self.prefix_sharing = prefix_sharing
         self.max_len, self.prefill_chunk = int(max_len), int(prefill_chunk)
         self.max_queue, self.eos_id, self.decode_steps = int(max_queue), eos_id, int(decode_steps)
         self._rows_per_device = 1 if mesh is None else dict(mesh.shape).get(sharding.DATA_AXIS, 1)
         self._scratch_spec = self._abstract_scratch()
         row = jax.eval_shape(
-            functools.partial(_empty_row, kv=self.kv, max_len=self.max_len), params
+            functools.partial(programs.empty_row, kv=self.kv, max_len=self.max_len), params
         )
         d = self._rows_per_device
         paged.check_page_size(row[0], page_size)
@@ -783,6 +326,9 @@ class Engine:
         self._generated = self._prompted = self._decode_calls = 0
         self._computed = self._prefill_calls = self._preemptions = 0
         self._bound = [0] * self.slots  # tokens each slot's row holds at most after the calls made
+        self._salt = repr((self.kv, jnp.dtype(params.dtype).name, self._layout.page_size))
+        self._shared = [0] * self.slots  # each slot's leading pages taken by reference
+        self._hit_tokens = 0
         self._order: dict[RequestHandle, int] = {}  # admission order of the admitted requests
         self._admissions = itertools.count()
         self._preempted: collections.deque[_Preempted] = collections.deque()
@@ -986,6 +532,7 @@ class Engine:
                 pages_total=self._pages.total,
                 pages_used=self._pages.used,
                 preemptions=self._preemptions,
+                prefix_hit_tokens=self._hit_tokens,
                 prefill_scratch_bytes=self._scratch_bytes,
                 requests_finished=dict(self._finished),
                 generated_tokens=self._generated,
@@ -1003,7 +550,7 @@ class Engine:
         if self.mesh is None:
             shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), state)
         else:
-            shardings = jax.tree.map(_trimmed, _state_sharding(state, self.mesh))
+            shardings = jax.tree.map(_trimmed, programs.state_sharding(state, self.mesh))
         return jax.tree.map(_spec, state, shardings)
 
     def _abstract_pool(self, pages: int) -> tuple:
@@ -1017,18 +564,23 @@ class Engine:
 
     def _empty_state(self, slots: int) -> SlotState:
         p = self.params
-        caches, _ = _empty_paged(p, self.kv, slots, 1, self.max_len, self._layout)
-        return _empty_state(caches, slots, p.config.vocab_size)
+        caches, _ = programs.empty_paged(p, self.kv, slots, 1, self.max_len, self._layout)
+        return programs.empty_state(caches, slots, p.config.vocab_size)
 
     def _empty_pool(self, pages: int) -> tuple:
-        return _empty_paged(self.params, self.kv, 1, pages, self.max_len, self._layout)[1]
+        return programs.empty_paged(self.params, self.kv, 1, pages, self.max_len, self._layout)[1]
 
     def _abstract_scratch(self) -> tuple:
         """The chunked prompt's full-precision K/V per layer: (k, v) [R, P, H, D], P the
-        multiple of prefill_chunk that covers max_len (R = _prompt_rows); on a mesh in its
+        multiple of prefill_chunk that covers max_len (R = programs.prompt_rows); on a mesh in its
         shards (sharding.scratch_spec)."""
         p, C = self.params, self.prefill_chunk
-        shape = (_prompt_rows(p), -(-self.max_len // C) * C, _kv_heads(p), p.config.head_dim)
+        shape = (
+            programs.prompt_rows(p),
+            -(-self.max_len // C) * C,
+            programs.kv_heads(p),
+            p.config.head_dim,
+        )
         if self.mesh is None:
             where = SingleDeviceSharding(self._devices[0])
         else:
@@ -1065,21 +617,29 @@ class Engine:
         chunk and the echo's chunk. Returns the specs of a prefilled one-row state and its
         logits."""
         p, kv, L, C = self.params, self.kv, self.max_len, self.prefill_chunk
-        r = _prompt_rows(p)
-        empty = self._compile("empty_row", _empty_row, p, kv=kv, max_len=L)
+        r = programs.prompt_rows(p)
+        empty = self._compile("empty_row", programs.empty_row, p, kv=kv, max_len=L)
         for w in self._buckets():
             for n in sorted({self._batch_rows(w, 1), self._batch_rows(w, 2 * r)}):
-                logits, rows = self._compile(f"prefill_batch[{n}x{w}]", _prefill_batch, p,
-                                             _i32(n, w), _i32(n), kv=kv, max_len=L)  # fmt: skip
+                logits, rows = self._compile(
+                    f"prefill_batch[{n}x{w}]",
+                    programs.prefill_batch,
+                    p,
+                    _i32(n, w),
+                    _i32(n),
+                    kv=kv,
+                    max_len=L,
+                )
         chunk = (p, _i32(r, C), _i32(), _i32(r), self._scratch_spec, empty)
         if L > C:  # a prompt may need chunks
-            self._compile(f"prefill_chunk[{C}]", _prefill_chunk, *chunk)
-        self._compile(f"echo_chunk[{C}]", _echo_chunk, *chunk, _i32(r, C))
+            self._compile(f"prefill_chunk[{C}]", programs.prefill_chunk, *chunk)
+        self._compile(f"echo_chunk[{C}]", programs.echo_chunk, *chunk, _i32(r, C))
         return rows[0], logits[0]
 
     def _compile_slot_programs(self, slots: int, pages: int, row, logits) -> None:
-        """insert (greedy, sampled), decode (each with or without extras), reset, and a
-        preemption's save and restore for a state of `slots` rows and `pages` pages."""
+        """insert (greedy, sampled), decode (each with or without extras), reset, a
+        preemption's save and restore, and with prefix_sharing the shared prefix's read, for a
+        state of `slots` rows and `pages` pages."""
         p, state, pool = self.params, self._abstract_state(slots), self._abstract_pool(pages)
         table = _i32(slots, self._max_pages)
         rows = jax.tree.map(_spec, RowSampling.of([Sampling()]))
@@ -1088,18 +648,35 @@ class Engine:
         kw = dict(mesh=self.mesh, layout=self._layout)
         for sampled in (False, True):
             kind = "sampled" if sampled else "greedy"
-            self._compile(f"insert_row[{kind}]", _insert_row, state, pool, table, row, logits,
-                          rows, prompted, _i32(1), stops, _i32(), sampled=sampled,
-                          **kw)  # fmt: skip
+            self._compile(
+                f"insert_row[{kind}]",
+                programs.insert_row,
+                state,
+                pool,
+                table,
+                row,
+                logits,
+                rows,
+                prompted,
+                _i32(1),
+                stops,
+                _i32(),
+                sampled=sampled,
+                **kw,
+            )
             for extras in (False, True):
                 self._compile(f"decode[{kind}{', extras' if extras else ''}, "
-                              f"{self.decode_steps} steps]", _decode, p, state, pool, table,
+                              f"{self.decode_steps} steps]", programs.decode, p, state, pool, table,
                               steps=self.decode_steps, sampled=sampled, extras=extras,
                               layout=self._layout)  # fmt: skip
-        self._compile("reset", _reset, p, state, _i32(), kv=self.kv, layout=self._layout)
-        saved = self._compile("save_row", _save_row, state, pool, table, _i32(),
+        self._compile("reset", programs.reset, p, state, _i32(), kv=self.kv, layout=self._layout)
+        saved = self._compile("save_row", programs.save_row, state, pool, table, _i32(),
                               layout=self._layout)  # fmt: skip
-        self._compile("restore_row", _restore_row, state, pool, table, saved, _i32(), **kw)
+        self._compile("restore_row", programs.restore_row, state, pool, table, saved, _i32(), **kw)
+        if self.prefix_sharing:
+            self._compile("shared_prefix", programs.shared_prefix, p, pool,
+                          _i32(1, self._max_pages), _i32(), self._scratch_spec, kv=self.kv,
+                          max_len=self.max_len, layout=self._layout)  # fmt: skip
 
     def _fit_slots(self) -> int:
         """slots=None: compiles the programs, then takes as many slots as fit the limit beside
@@ -1148,8 +725,19 @@ class Engine:
         """The empty one-row state a chunked prompt starts from, committed to the device(s) as
         the chunk program's outputs are (its first chunk and the next ones: one signature).
         Its program reads no input array, so on one device its output would be uncommitted."""
-        row = _empty_row(self.params, kv=self.kv, max_len=self.max_len)
+        row = programs.empty_row(self.params, kv=self.kv, max_len=self.max_len)
         return row if self.mesh is not None else jax.device_put(row, self._devices[0])
+
+    def _prefix_row(self, slot: int, tokens: int):
+        """The one-row state of the slot's shared prefix (its first `tokens` tokens) and the
+        scratch holding its keys and values (programs.shared_prefix)."""
+        pages = np.full((1, self._max_pages), paged.NO_PAGE, np.int32)
+        pages[0, : self._shared[slot]] = self._pages.table[slot, : self._shared[slot]]
+        self._scratch, row = programs.shared_prefix(
+            self.params, self._pool, pages, np.int32(tokens), self._scratch, kv=self.kv,
+            max_len=self.max_len, layout=self._layout,
+        )  # fmt: skip
+        return row
 
     def _bucket(self, n: int) -> int:
         return next(w for w in self._buckets() if w >= n)
@@ -1158,12 +746,43 @@ class Engine:
         """Rows of the batched prefill of `prompts` prompts at `width`: one per "data" shard
         while they fit (one prompt alone computes only its width), else as many per shard as
         fit prefill_chunk (two programs a width)."""
-        d = _prompt_rows(self.params)
+        d = programs.prompt_rows(self.params)
         return d if prompts <= d else d * max(1, self.prefill_chunk // width)
 
     def _is_long(self, h: RequestHandle) -> bool:
-        """Prefilled in chunks: longer than prefill_chunk, or its prompt's logprobs asked."""
-        return len(h._prompt) > self.prefill_chunk or h._prompt_logprobs
+        """(Under the lock.) Prefilled in chunks: longer than prefill_chunk, its prompt's
+        logprobs asked, or a prefix in shared pages."""
+        shards = range(self._rows_per_device)
+        return (
+            len(h._prompt) > self.prefill_chunk
+            or h._prompt_logprobs
+            or any(self._hits(h, shard) for shard in shards)
+        )
+
+    def _page_keys(self, h: RequestHandle) -> list[bytes]:
+        """The keys of the prompt's whole pages: each the hash of the previous page's key and
+        its tokens (the first's: of the engine's kv, dtype and page size)."""
+        if h._page_keys is None:
+            ps, key, keys = self._layout.page_size, self._salt.encode(), []
+            for m in range(len(h._prompt) // ps):
+                page = h._prompt[m * ps : (m + 1) * ps].astype(np.int32).tobytes()
+                key = hashlib.blake2b(key + page, digest_size=16).digest()
+                keys.append(key)
+            h._page_keys = keys
+        return h._page_keys
+
+    def _hits(self, h: RequestHandle, shard: int) -> list[int]:
+        """(Under the lock.) The shared pages of `shard` the prompt starts with that it may
+        take: as many as leave R tokens to prefill after them (so that they stay sealed),
+        ending at a multiple of prefill_chunk (a chunk's offset)."""
+        if not self.prefix_sharing or h._prompt_logprobs:
+            return []
+        hits = self._pages.hits(shard, self._page_keys(h))
+        ps, r = self._layout.page_size, 0 if self.kv is None else self.kv.residual_length
+        k = min(len(hits), (len(h._prompt) - max(r, 1)) // ps)
+        while k > 0 and k * ps % self.prefill_chunk:
+            k -= 1
+        return hits[:k]
 
     def _pending(self) -> bool:
         """(Under the lock.) Requests wait, run or are preempted, or results are unread."""
@@ -1183,7 +802,7 @@ class Engine:
         dispatch is made without the lock, so that submit() and stats() never wait on the
         device)."""
         try:
-            self._state = _reset(self.params, self._state, np.int32(slot), kv=self.kv,
+            self._state = programs.reset(self.params, self._state, np.int32(slot), kv=self.kv,
                                  layout=self._layout)  # fmt: skip
         except Exception as e:  # the state was donated: it is lost
             self._state_fault(e)
@@ -1218,13 +837,19 @@ class Engine:
         appends one token a step, the last token it generates not appended)."""
         return min(held + self.decode_steps, len(h._prompt) + max(h._max_new - 1, 0))
 
-    def _place(self, h: RequestHandle, held: int, free: list[int]) -> int | None:
+    def _place(self, h: RequestHandle, held: int, free: list[int], share: bool = True):
         """(Under the lock.) The first of the `free` slots whose pool part holds the request's
-        `held` tokens and its next decode call's: its pages taken, the request its occupant
-        (the slot removed from `free`); None if no slot's pool has the pages."""
+        `held` tokens and its next decode call's: its pages taken (with `share`, its prefix's
+        shared pages first), the request its occupant (the slot removed from `free`); None if
+        no slot's pool has the pages."""
         want = self._first_tokens(h, held)
         for slot in free:
-            if self._pages.missing(slot, want) <= self._pages.free(self._pages.shard(slot)):
+            shard = self._pages.shard(slot)
+            hits = self._hits(h, shard) if share else []
+            kept = sum(self._pages.is_kept(p) for p in hits)
+            if self._pages.missing(slot, want) - len(hits) <= self._pages.free(shard) - kept:
+                self._pages.share(slot, hits)
+                self._shared[slot] = len(hits)
                 self._pages.grow(slot, want)
                 free.remove(slot)
                 self._occupant[slot], self._bound[slot] = h, held
@@ -1263,8 +888,13 @@ class Engine:
         the calls made before), the slot freed. False if the state was lost on the way."""
         h = self._occupant[slot]
         try:
-            saved = _save_row(self._state, self._pool, self._pages.table.copy(), np.int32(slot),
-                              layout=self._layout)  # fmt: skip
+            saved = programs.save_row(
+                self._state,
+                self._pool,
+                self._pages.table.copy(),
+                np.int32(slot),
+                layout=self._layout,
+            )
             saved = jax.device_get(saved)
         except Exception as e:  # a call before it failed: the state is not trusted
             self._state_fault(e)
@@ -1282,12 +912,12 @@ class Engine:
             with self._lock:
                 p = self._preempted[0]
                 free = [s for s, o in enumerate(self._occupant) if o is None]
-                slot = self._place(p.request, p.held, free)
+                slot = self._place(p.request, p.held, free, share=False)
                 if slot is None:
                     return False
                 self._preempted.popleft()
             try:
-                self._state, self._pool = _restore_row(
+                self._state, self._pool = programs.restore_row(
                     self._state, self._pool, self._pages.table.copy(), p.saved, np.int32(slot),
                     mesh=self.mesh, layout=self._layout,
                 )  # fmt: skip
@@ -1322,18 +952,20 @@ class Engine:
             if batch is not None:
                 budget -= self._prefill(batch)
                 continue
+            shared = self._shared[slot] * self._layout.page_size
             try:
-                row = self._new_row()
+                row = self._new_row() if not shared else self._prefix_row(slot, shared)
             except Exception as e:
                 self._request_fault(h, slot, e)
                 continue
-            self._long = _LongPrompt(request=h, slot=slot, offset=0, caches=row)
+            self._hit_tokens += shared
+            self._long = _LongPrompt(request=h, slot=slot, offset=shared, caches=row)
 
     def _take_batch(self, free: list[int], budget: int) -> list[tuple[RequestHandle, int]]:
         """(Under the lock.) The short prompts at the queue's head that one batched call of at
         most `budget` tokens per "data" shard holds, each given a free slot whose pool holds
         it (none if the first does not fit)."""
-        d, batch, longest = _prompt_rows(self.params), [], 0
+        d, batch, longest = programs.prompt_rows(self.params), [], 0
         while self._queue and free and not self._is_long(self._queue[0]):
             h = self._queue[0]
             n = max(longest, len(h._prompt))
@@ -1348,7 +980,7 @@ class Engine:
         return batch
 
     def _prefill(self, batch: list[tuple[RequestHandle, int]]) -> int:
-        """One _prefill_batch call of the batch's prompts, then each inserted into its slot.
+        """One programs.prefill_batch call of the batch's prompts, then each inserted into its slot.
         A fault in the call ends the batch's requests; in an insert, that request's. Returns
         the call's tokens per "data" shard."""
         width = self._bucket(max(len(h._prompt) for h, _ in batch))
@@ -1356,9 +988,9 @@ class Engine:
         tokens, lengths = np.zeros((rows, width), np.int32), np.ones(rows, np.int32)
         for i, (h, _) in enumerate(batch):
             tokens[i, : len(h._prompt)], lengths[i] = h._prompt, len(h._prompt)
-        cost = rows // _prompt_rows(self.params) * width
+        cost = rows // programs.prompt_rows(self.params) * width
         try:
-            logits, states = _prefill_batch(self.params, tokens, lengths, kv=self.kv,
+            logits, states = programs.prefill_batch(self.params, tokens, lengths, kv=self.kv,
                                             max_len=self.max_len)  # fmt: skip
         except Exception as e:
             for h, slot in batch:
@@ -1379,7 +1011,7 @@ class Engine:
         lp, C = self._long, self.prefill_chunk
         h = lp.request
         part = h._prompt[lp.offset : lp.offset + C]
-        r = _prompt_rows(self.params)
+        r = programs.prompt_rows(self.params)
         tokens = np.zeros((r, C), np.int32)
         tokens[:, : len(part)] = part
         args = (self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
@@ -1389,10 +1021,10 @@ class Engine:
                 following = np.zeros((r, C), np.int32)
                 after = h._prompt[lp.offset + 1 : lp.offset + C + 1]
                 following[:, : len(after)] = after
-                logits, self._scratch, lp.caches, scores = _echo_chunk(*args, following)
+                logits, self._scratch, lp.caches, scores = programs.echo_chunk(*args, following)
                 jax.tree.map(lambda x: x.copy_to_host_async(), scores)
             else:
-                logits, self._scratch, lp.caches = _prefill_chunk(*args)
+                logits, self._scratch, lp.caches = programs.prefill_chunk(*args)
             self._prefill_calls += 1
             self._computed += len(part)
             offset, lp.offset = lp.offset, lp.offset + len(part)
@@ -1414,13 +1046,20 @@ class Engine:
         stops[0, : len(h._stops)] = h._stops
         prompted = np.zeros((1, self.params.config.vocab_size), bool)
         prompted[0, h._prompt] = True
-        self._state, self._pool, first, scores = _insert_row(
-            self._state, self._pool, self._pages.table.copy(), row, logits, RowSampling.of([s]),
+        table = self._pages.table.copy()
+        table[slot, : self._shared[slot]] = paged.NO_PAGE  # shared pages are not written
+        self._state, self._pool, first, scores = programs.insert_row(
+            self._state, self._pool, table, row, logits, RowSampling.of([s]),
             prompted, np.array([h._max_new], np.int32), stops, np.int32(slot),
             sampled=s.temperature > 0, mesh=self.mesh, layout=self._layout,
         )  # fmt: skip
         jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
         self._events.append(_Tokens((first, scores), {slot: (h, 0)}))
+        if self.prefix_sharing:  # its prompt's pages R tokens behind its end are final
+            r = 0 if self.kv is None else self.kv.residual_length
+            with self._lock:
+                sealed = (len(h._prompt) - r) // self._layout.page_size
+                self._pages.register(slot, self._page_keys(h)[:sealed])
         self._prompted += h.prompt_tokens
 
     def _decode_call(self) -> bool:
@@ -1437,7 +1076,7 @@ class Engine:
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
         extras = any(h is not None and h._extras for h in live)
         try:
-            self._state, self._pool, out, scores = _decode(
+            self._state, self._pool, out, scores = programs.decode(
                 self.params, self._state, self._pool, self._pages.table.copy(),
                 steps=self.decode_steps, sampled=sampled, extras=extras, layout=self._layout,
             )  # fmt: skip
