@@ -786,11 +786,14 @@ def test_cli_options_state_their_defaults():
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
         "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
-        "--no-compilation-cache",
+        "--no-compilation-cache", "--kv-bytes", "--page-size", "--prefix-sharing",
     }  # fmt: skip
     for a in actions:
         if a.dest == "no_compilation_cache":  # a switch: its default is the cache on
             assert "(default: the cache is on)" in a.help
+            continue
+        if a.dest == "prefix_sharing":  # a switch, off unless given
+            assert "(default: off)" in a.help
             continue
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
         expected = "(default: " if a.default is None else f"(default: {shown})"
