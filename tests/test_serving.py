@@ -123,7 +123,10 @@ def test_stop_ids_and_eos_end_a_request_with_the_stop_token_last(params):
 
 
 def test_no_compilation_over_50_mixed_requests_after_warmup(params):
-    e = engine(params, "kivi2", max_queue=64)  # the programs of the tests above
+    """With one page of 128 tokens for the two slots: requests are preempted and restored."""
+    sized = engine(params, "kivi2").stats()
+    one_page = sized.kv_slot_bytes + sized.kv_pool_bytes // 2
+    e = engine(params, "kivi2", max_queue=64, kv_bytes=one_page)  # the programs of the tests above
     e.warmup()
     before = len(compiled)
     rng = np.random.default_rng(0)
@@ -142,7 +145,7 @@ def test_no_compilation_over_50_mixed_requests_after_warmup(params):
     while e.step():
         pass
     assert all(h.finish_reason == "length" for h in handles)
-    assert compiled[before:] == []
+    assert compiled[before:] == [] and e.stats().preemptions > 0
 
 
 def test_penalties_and_logprobs_are_per_row_values(params):

@@ -117,11 +117,13 @@ class _LongPrompt:
 
 @dataclasses.dataclass
 class _Preempted:
-    """A preempted request: its row as programs.save_row returns it (its caches contiguous), in host
-    memory, and the tokens the row holds at most."""
+    """A preempted request: its row as programs.save_row returns it (its caches contiguous),
+    in host memory, with where that program put it on the device (so that restore_row runs the
+    program warmup compiled), and the tokens the row holds at most."""
 
     request: RequestHandle
     saved: SlotState
+    where: SlotState  # the shardings of save_row's outputs
     held: int
 
 
@@ -895,12 +897,13 @@ class Engine:
                 np.int32(slot),
                 layout=self._layout,
             )
+            where = jax.tree.map(lambda x: x.sharding, saved)
             saved = jax.device_get(saved)
         except Exception as e:  # a call before it failed: the state is not trusted
             self._state_fault(e)
             return False
         with self._lock:
-            self._preempted.append(_Preempted(h, saved, self._bound[slot]))
+            self._preempted.append(_Preempted(h, saved, where, self._bound[slot]))
             self._preemptions += 1
         self._free(slot)
         return self._state is not None
@@ -918,7 +921,8 @@ class Engine:
                 self._preempted.popleft()
             try:
                 self._state, self._pool = programs.restore_row(
-                    self._state, self._pool, self._pages.table.copy(), p.saved, np.int32(slot),
+                    self._state, self._pool, self._pages.table.copy(),
+                    jax.device_put(p.saved, p.where), np.int32(slot),
                     mesh=self.mesh, layout=self._layout,
                 )  # fmt: skip
             except Exception as e:
