@@ -236,7 +236,8 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
     """Decode tokens/s of the engine's own decode program (the one its scheduler calls, of
     `decode_steps` steps) with `live` of its slots decoding at `length` tokens of context:
     the wall-clock of `calls` calls after a first one, on the engine's state with those slots
-    made active in place (benchmark-only access to the engine's state; freed again after).
+    made active in place, each given its own pages (benchmark-only access to the engine's
+    state and pool; the slots freed again after).
     Real requests cannot measure this: admitting S prompts of `length` tokens takes S or more
     scheduler steps, during which the first ones decode and finish, so a wall-clock over
     requests never has every slot live (the measure this replaced reported the tail of a few
@@ -245,18 +246,31 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
     import jax
     from timing import gpu_kernels, kernel_totals, span_seconds, split_runs
 
-    from kivi_jax.serving.engine import _decode
+    from kivi_jax.paged import NO_PAGE
+    from kivi_jax.serving import programs
 
     engine._allocate()
     state = _occupied(engine._state, live, length)
-    call = lambda s: _decode(
-        engine.params, s, steps=engine.decode_steps, sampled=False, extras=False
-    )[:2]
-    state, out = call(state)  # compiled by warmup(): this one runs it once
+    pool = engine._pool
+    S, M = engine._pages.table.shape
+    if live * M > engine._pages.total:
+        raise ValueError(
+            f"{live} slots of {M} pages need more than the pool's {engine._pages.total}"
+        )
+    table = np.full((S, M), NO_PAGE, np.int32)
+    table[:live] = np.arange(live * M, dtype=np.int32).reshape(live, M)  # distinct pages a slot
+
+    def call(state, pool):
+        return programs.decode(
+            engine.params, state, pool, table, steps=engine.decode_steps, sampled=False,
+            extras=False, layout=engine._layout,
+        )[:3]  # fmt: skip
+
+    state, pool, out = call(state, pool)  # compiled by warmup(): this one runs it once
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(calls):
-        state, out = call(state)
+        state, pool, out = call(state, pool)
     jax.block_until_ready(out)
     seconds = (time.perf_counter() - t0) / calls
     if trace is not None and jax.default_backend() == "gpu":
@@ -264,13 +278,14 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
 
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
-                state, out = call(state)
+                state, pool, out = call(state, pool)
                 jax.block_until_ready(out)
             runs = split_runs(gpu_kernels(d))
         if runs:
             totals = list(kernel_totals(runs[0]).items())[:20]
             trace.update(span_ms=span_seconds(runs[0]) * 1e3, live=live, length=length,
                          kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    engine._pool = pool
     engine._state = _occupied(state, 0, 0)
     return live * engine.decode_steps / seconds
 

@@ -237,8 +237,9 @@ Cache = KiviCache | FullCache
 
 
 # The layout invariant that slot insertion (kivi_jax.serving) and sharding rely on: every array
-# of a cache, MixedState included, holds one row per sequence on axis BATCH_AXIS, and its KV-head
-# axis is the one named here (None: the array has no head axis). A layout change updates this
+# of a cache, MixedState included, holds one row per sequence on axis BATCH_AXIS (a
+# kivi_jax.paged pool: one page), and its KV-head axis is the one named here (None: the array
+# has no head axis). A layout change updates this
 # table, and tests/test_cache.py checks it against every kind of cache.
 BATCH_AXIS = 0
 KV_HEAD_AXIS: dict[str, int | None] = {
@@ -248,6 +249,7 @@ KV_HEAD_AXIS: dict[str, int | None] = {
     "v": 2,
     "lengths": None,
     "overflow": None,
+    "table": None,  # kivi_jax.paged.PagedCache's page table [B, max_pages]
 }
 
 
