@@ -20,6 +20,10 @@ wall-clock of each one's decode program; `decode_rate` says why not of requests)
         --prompt-range 32 96 --output-range 64 64 --http --out DIR    # the CPU, through HTTP too
     python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
 
+`--slots N --kv-bytes-gb X` runs the paged engine with N slots sharing X GB of KV state (the
+default gives every slot max_len tokens of pages, the reservation of contiguous slots): at one
+X, more slots than X holds at max_len is the pool's gain on a load of short requests.
+
 `run` measures each cache in a process of its own (its peak memory is its own) and writes
 DIR/serve_<model>_<kv>.json; `merge` writes serve.json, serve.md and serve.png (output tokens/s
 and p99 time per output token against offered load, one line per cache), a row measured again in
@@ -98,6 +102,7 @@ def fit_of(engine) -> dict:
         slots=engine.slots,
         prefill_chunk=engine.prefill_chunk,
         prefill_budget=engine.prefill_budget,
+        pages=engine.stats().pages_total,
         limit_gb=None if plan.limit is None else plan.limit / 1e9,
         in_use_gb=plan.in_use / 1e9,
         slot_gb=plan.slot / 1e9,
@@ -343,6 +348,8 @@ def measure_kv(args, save=None) -> dict:
         return Engine(
             params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
             prefill_budget=args.prefill_budget, max_queue=1 << 20, memory_budget=budget,
+            kv_bytes=None if args.kv_bytes_gb is None else int(args.kv_bytes_gb * 1e9),
+            page_size=args.page_size,
         )  # fmt: skip
 
     mean_p = sum(args.prompt_range) / 2
@@ -698,6 +705,12 @@ def main_parser() -> argparse.ArgumentParser:
     q.add_argument("--prefill-requests", type=int, default=4)
     q.add_argument("--overhead-batch", type=int, default=16)
     q.add_argument("--slots", type=int, help="instead of the budget's")
+    q.add_argument(
+        "--kv-bytes-gb",
+        type=float,
+        help="the KV state's bytes, pool and slots (default: every slot's max_len)",
+    )
+    q.add_argument("--page-size", type=int, default=128)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--timeout-s", type=float, default=600.0)
     q.add_argument("--call", default="local")
