@@ -251,19 +251,18 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
     import jax
     from timing import gpu_kernels, kernel_totals, span_seconds, split_runs
 
-    from kivi_jax.paged import NO_PAGE
     from kivi_jax.serving import programs
 
     engine._allocate()
-    state = _occupied(engine._state, live, length)
-    pool = engine._pool
-    S, M = engine._pages.table.shape
-    if live * M > engine._pages.total:
-        raise ValueError(
-            f"{live} slots of {M} pages need more than the pool's {engine._pages.total}"
-        )
-    table = np.full((S, M), NO_PAGE, np.int32)
-    table[:live] = np.arange(live * M, dtype=np.int32).reshape(live, M)  # distinct pages a slot
+    pages = engine._pages
+    if any(o is not None for o in engine._occupant) or engine.prefix_sharing:
+        raise ValueError("decode_rate takes an idle engine without prefix sharing")
+    span = length + (calls + 2) * engine.decode_steps  # the tokens the timed calls reach
+    for s in range(live):
+        if pages.missing(s, span) > pages.free(pages.shard(s)):
+            raise ValueError(f"the pool holds no {live} slots of {span} tokens")
+        pages.grow(s, span)  # each slot its own pages, from its shard's free list
+    table = pages.table.copy()
 
     def call(state, pool):
         return programs.decode(
@@ -271,27 +270,32 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
             extras=False, layout=engine._layout,
         )[:3]  # fmt: skip
 
-    state, pool, out = call(state, pool)  # compiled by warmup(): this one runs it once
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        state, pool, out = call(state, pool)
-    jax.block_until_ready(out)
-    seconds = (time.perf_counter() - t0) / calls
-    if trace is not None and jax.default_backend() == "gpu":
-        import tempfile
+    state, pool = _occupied(engine._state, live, length), engine._pool
+    try:
+        state, pool, out = call(state, pool)  # compiled by warmup(): this one runs it once
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            state, pool, out = call(state, pool)
+        jax.block_until_ready(out)
+        seconds = (time.perf_counter() - t0) / calls
+        if trace is not None and jax.default_backend() == "gpu":
+            import tempfile
 
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d):
-                state, pool, out = call(state, pool)
-                jax.block_until_ready(out)
-            runs = split_runs(gpu_kernels(d))
-        if runs:
-            totals = list(kernel_totals(runs[0]).items())[:20]
-            trace.update(span_ms=span_seconds(runs[0]) * 1e3, live=live, length=length,
-                         kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
-    engine._pool = pool
-    engine._state = _occupied(state, 0, 0)
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d):
+                    state, pool, out = call(state, pool)
+                    jax.block_until_ready(out)
+                runs = split_runs(gpu_kernels(d))
+            if runs:
+                totals = list(kernel_totals(runs[0]).items())[:20]
+                trace.update(span_ms=span_seconds(runs[0]) * 1e3, live=live, length=length,
+                             kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    finally:
+        engine._pool = pool
+        engine._state = _occupied(state, 0, 0)
+        for s in range(live):
+            pages.release(s)
     return live * engine.decode_steps / seconds
 
 

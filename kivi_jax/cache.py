@@ -607,8 +607,9 @@ def _append_kernel_supports(cache: KiviCache) -> bool:
         plain
         and cfg.sinks > 0
         and pow2(cfg.sinks)
-        and cfg.fine_key_channels > 0
-        and cfg.fine_key_channels % 16 == 0
+        and cfg.fine_key_channels >= 16
+        and pow2(cfg.fine_key_channels)
+        and (cfg.heavy_tokens == 0 or pow2(cfg.heavy_tokens))
         and not cfg.needs_queries
     )
 

@@ -144,8 +144,11 @@ def dequantize(w: QuantizedWeight | jax.Array) -> jax.Array:
 
 def fused_unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     """Why `dense(x, w)` does not run the fused GPU kernel (pallas_kernels/matmul/gpu.py); None
-    where it does: on a GPU, a decode step's rows (at most 64), bf16 / f16 activations, int8 /
-    int4 codes, N a multiple of 64, row groups a power of two >= 16 or one per column."""
+    where it does: on a GPU, at most 64 rows (a decode step's batch; a prefill of that few
+    tokens too), bf16 / f16 activations, int8 / int4 codes, N a multiple of 64, row groups a
+    power of two in [16, 128] or one per column. The kernel applies scales to exact integer
+    products where the reference rounds each dequantized weight to the compute dtype, so the
+    two paths differ by that rounding (one batch can take one path and another the other)."""
     if jax.default_backend() != "gpu":
         return f"the fused kernel needs a GPU (backend here: {jax.default_backend()})"
     from kivi_jax.pallas_kernels.matmul.gpu import unsupported_reason

@@ -93,6 +93,7 @@ def test_default_tiling_fills_the_gpu_and_divides_k():
         (MAX_ROWS + 1, 128, 64, 32, jnp.int8, jnp.bfloat16, "rows"),
         (4, 128, 64, 32, jnp.int8, jnp.float32, "bfloat16 or float16"),
         (4, 576, 64, 96, jnp.int4, jnp.bfloat16, "groups of 96"),
+        (4, 1024, 64, 512, jnp.int4, jnp.bfloat16, "groups of 512"),
         (4, 128, 96, 32, jnp.int4, jnp.bfloat16, "multiple of 64"),
         (4, 128, 64, 32, jnp.uint8, jnp.bfloat16, "int8 or int4"),
     ],

@@ -442,9 +442,10 @@ class Engine:
             self._work.notify_all()
 
     def step(self) -> bool:
-        """One scheduler iteration: free cancelled slots, admit (prefill up to prefill_chunk
-        prompt tokens, or one chunk of a long prompt), one decode call, read back the previous
-        call's tokens. Returns True while work remains.
+        """One scheduler iteration: free cancelled slots, put preempted requests back, admit
+        (prefill up to prefill_budget prompt tokens: batches of short prompts, chunks of a long
+        one), one decode call, read back the previous call's tokens. Returns True while work
+        remains.
 
         A fault ends only the requests it touched, with finish_reason "error" (iterating their
         handles raises EngineError): a request's own prefill, chunk or insert ends that
@@ -948,11 +949,12 @@ class Engine:
         chunks."""
         budget = self.prefill_budget
         while budget > 0:
+            waiting = not self._restore()  # preempted requests come back first (no budget)
             if self._long is not None:
                 self._chunk()
                 budget -= self.prefill_chunk
                 continue
-            if not self._restore():  # preempted requests come back before new ones
+            if waiting:  # nothing new before them
                 return
             with self._lock:
                 free = [s for s, o in enumerate(self._occupant) if o is None]

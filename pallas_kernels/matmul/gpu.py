@@ -90,8 +90,8 @@ def unsupported_reason(m: int, k: int, n: int, group: int, qdtype, xdtype) -> st
         return f"x has {m} rows; the kernel takes 1 to {MAX_ROWS} (a decode step)"
     if n % 64:
         return f"N = {n} is not a multiple of 64"
-    if group != k and (group < 16 or group & (group - 1)):
-        return f"row groups of {group}: the kernel takes a power of two >= 16, or one per column"
+    if group != k and (group < 16 or group > 128 or group & (group - 1)):
+        return f"row groups of {group}: the kernel takes powers of two in [16, 128], or K"
     if group == k and k % 16:
         return f"K = {k} is not a multiple of 16"
     return None
