@@ -8,6 +8,8 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import quantization
+
 SUPPORTED_BITS = (2, 4, 8)
 _INT_FIELDS = (
     "k_bits", "v_bits", "group_size", "residual_length", "sinks", "fine_key_channels",
@@ -38,17 +40,35 @@ class Format(enum.Enum):
     CACHE: the cache dtype (init_cache's `dtype`: float32, bfloat16 or float16).
     E4M3: float8_e4m3fn (3 mantissa bits, finite range +-448, subnormals down to 2^-9).
     E5M2: float8_e5m2 (2 mantissa bits, finite range +-57344, subnormals down to 2^-16).
+    E4M3_INT8: scales and zeros only (k_scale_format, v_scale_format): an e4m3 scale s and an
+      int8 zero point n, the zero's value n * s * 2^-ZERO_FRACTION_BITS rounded down to the
+      cache dtype (quantization.IntZero): a zero as precise as a fraction of the group's step
+      where e4m3's 3 mantissa bits move a large zero by many steps.
     """
 
     CACHE = "cache"
     E4M3 = "e4m3"
     E5M2 = "e5m2"
+    E4M3_INT8 = "e4m3-int8"
 
     def dtype(self, cache_dtype) -> jnp.dtype:
-        """The dtype this format stores in, for a cache of `cache_dtype`."""
+        """The dtype this format stores tokens in, for a cache of `cache_dtype`."""
         if self is Format.CACHE:
             return jnp.dtype(cache_dtype)
+        if self is Format.E4M3_INT8:
+            raise ValueError("Format.E4M3_INT8 stores scales and zeros, not tokens")
         return jnp.dtype(jnp.float8_e4m3fn if self is Format.E4M3 else jnp.float8_e5m2)
+
+    def params(self, cache_dtype):
+        """How this format stores scales and zeros, for a cache of `cache_dtype`: their dtype,
+        or a quantization.IntZero (kivi_jax.quantization's `quantize` takes either)."""
+        if self is Format.E4M3_INT8:
+            return quantization.IntZero(jnp.dtype(cache_dtype), -ZERO_FRACTION_BITS)
+        return self.dtype(cache_dtype)
+
+
+# Format.E4M3_INT8's zero points count steps of scale / 2^ZERO_FRACTION_BITS.
+ZERO_FRACTION_BITS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +161,11 @@ class KiviConfig:
         for name in ("k_scale_format", "v_scale_format", "residual_format"):
             if not isinstance(getattr(self, name), Format):
                 raise ValueError(f"KiviConfig.{name} must be a Format, got {getattr(self, name)!r}")
+        if self.residual_format is Format.E4M3_INT8:
+            raise ValueError(
+                "KiviConfig.residual_format cannot be Format.E4M3_INT8 (a format of scales and "
+                "zero points); use CACHE, E4M3 or E5M2"
+            )
 
     @property
     def plain_formats(self) -> bool:

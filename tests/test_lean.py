@@ -1,4 +1,5 @@
-"""Fewer bits per value (issue 61): float8 scales and zeros, a float8 residual, kivi2-lean.
+"""Fewer bits per value (issue 61): float8 scales and zeros, int8 zero points, a float8
+residual, kivi2-lean.
 
 The cache-wide properties (prefill = appends bit-identical, non-finite values confined to their
 group, finite tokens giving a finite state) run on a float8 config in tests/test_properties.py;
@@ -56,6 +57,42 @@ def test_round_to_float8_saturates_finite_values_and_keeps_non_finite_ones():
     assert np.isnan(got[3:]).all()  # e4m3fn has no inf
 
 
+def test_an_int8_zero_counts_quarter_steps_and_the_scale_widens_until_the_grid_covers_the_group():
+    # [10.0, 10.3, 10.6, 10.9], 2 bits, zero in units of s / 4: the span needs s >= 0.3, and
+    # n <= 127 needs s >= 10.9 / (127 / 4 + 3) = 0.3137 (the largest zero still reaches the
+    # max), up to e4m3's 0.34375 (11 / 32); n = floor(10 / 0.0859375) = 116, z = 9.96875, and
+    # z + 3 s = 11.0 covers 10.9.
+    x = jnp.asarray([[10.0, 10.3, 10.6, 10.9]], jnp.float32)
+    params = qz.IntZero(jnp.float32, -2)
+    codes, scale, zero = qz.quantize(x, 2, 4, axis=1, dtype=params)
+    assert scale.dtype == E4M3 and zero.dtype == jnp.int8
+    assert (qz.as_float32(scale).item(), zero.item()) == (0.34375, 116)
+    assert qz.zero_values(scale, zero, params).item() == 9.96875
+    assert codes.tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_an_int8_zero_is_at_most_the_minimum_and_every_member_within_half_a_step(bits):
+    # Groups of 32 of spreads 1e-3 ... 1e1 around offsets of up to ~15 spreads (the keys'
+    # offset channels), in a bfloat16 cache: the zero's value is rounded down to bfloat16.
+    rng = np.random.default_rng(0)
+    spread = 10.0 ** rng.uniform(-3, 1, size=(400, 1))
+    x = rng.normal(size=(400, 32)) * spread + rng.normal(size=(400, 1)) * 5 * spread
+    x = jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
+    params = qz.IntZero(jnp.bfloat16, -2)
+    codes, scale, zero = qz.quantize(x, bits, 32, axis=1, dtype=params)
+    s, z = qz.as_float32(scale), qz.zero_values(scale, zero, params)
+    assert bool(jnp.all(z <= x.min(axis=1, keepdims=True)))
+    assert bool(jnp.all(z == z.astype(jnp.bfloat16).astype(jnp.float32)))
+    err = jnp.abs(qz.dequantize(codes, scale, zero, 32, axis=1, params=params) - x)
+    assert bool(jnp.all(err <= s / 2 * (1 + 2**-20)))
+    # The step stays near the span's: closer than an e4m3 zero's, rounded down by up to 1/8
+    # of the offset.
+    span = (x.max(axis=1) - x.min(axis=1))[:, None] / (2**bits - 1)
+    _, s8, _ = qz.quantize(x, bits, 32, axis=1, dtype=E4M3)
+    assert float(jnp.mean(s / span)) < float(jnp.mean(qz.as_float32(s8) / span))
+
+
 SMALL_LEAN = dataclasses.replace(
     kj.KIVI2_LEAN, group_size=4, residual_length=8, sinks=1, fine_key_channels=2, heavy_tokens=2
 )
@@ -83,6 +120,7 @@ def test_a_float8_residual_holds_the_tokens_rounded_as_they_entered(rng):
     [
         dict(k_scale_format=Format.E5M2, v_scale_format=Format.E4M3),
         dict(residual_format=Format.E5M2),
+        dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8),
     ],
 )
 def test_plain_float8_formats_prefill_equals_appends(rng, formats):
@@ -126,6 +164,10 @@ def test_memory_report_counts_float8_arrays_at_one_byte():
     )
     assert 2 * lean.scales_zeros_bytes == plain.scales_zeros_bytes == 2 * 2 * 2 * 256 * 2 * 2
     assert lean.residual_bytes == plain.residual_bytes
+    int8 = dataclasses.replace(cfg, k_scale_format=Format.E4M3_INT8)
+    assert kj.memory_report(kj.init_cache(int8, **shape)).scales_zeros_bytes == (
+        lean.scales_zeros_bytes
+    )  # an e4m3 scale and an int8 zero: 2 bytes a group, as two float8s
 
 
 def test_kivi2_lean_is_a_kv_name_everywhere():
@@ -140,3 +182,5 @@ def test_kivi2_lean_is_a_kv_name_everywhere():
 def test_a_format_must_be_a_format():
     with pytest.raises(ValueError, match="residual_format must be a Format"):
         kj.KiviConfig(residual_format="e4m3")
+    with pytest.raises(ValueError, match=r"residual_format cannot be Format\.E4M3_INT8"):
+        kj.KiviConfig(residual_format=Format.E4M3_INT8)

@@ -95,7 +95,8 @@ class StreamingAttention:
             return _mixed_streaming_attention(self.config, self.cache_dtype, q, k, v, lengths)
         cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
         k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
-        g, kp, vp = cfg.group_size, cfg.k_scale_format.dtype(dtype), cfg.v_scale_format.dtype(dtype)
+        g = cfg.group_size
+        kp, vp = cfg.k_scale_format.params(dtype), cfg.v_scale_format.params(dtype)
         kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
         vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
         held = jnp.arange(s)[:, None] + 1  # [S, 1]: the cache length when query i attends
@@ -137,21 +138,23 @@ def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
     codes, scale, zero, lo, channels = kc._quantize_keys(kh, cfg, jnp.zeros((b,), jnp.int32), dtype)
     rep_g = lambda x: jnp.repeat(x, g, axis=2)
     if lo is None:
-        kq = quantization.dequantize(codes, scale, zero, g, axis=2)
+        kq = quantization.dequantize(
+            codes, scale, zero, g, axis=2, params=cfg.k_scale_format.params(dtype)
+        )
     else:
         kq = kc._fine_dequantize(
             codes,
             rep_g(scale.astype(jnp.float32)),
-            rep_g(zero.astype(jnp.float32)),
+            rep_g(quantization.zero_values(scale, zero, cfg.k_scale_format.params(dtype))),
             lo,
             rep_g(channels),
             cfg.k_bits,
             d,
         )
     kq = kq[:, :, :s]  # [B, H, S, D]
-    v_params = cfg.v_scale_format.dtype(dtype)
+    v_params = cfg.v_scale_format.params(dtype)
     v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=v_params)
-    vq = quantization.dequantize(v_codes, v_scale, v_zero, g, axis=3).swapaxes(1, 2)
+    vq = quantization.dequantize(v_codes, v_scale, v_zero, g, 3, v_params).swapaxes(1, 2)
     kf, vf = (x.astype(jnp.float32).swapaxes(1, 2) for x in (k, v))  # [B, H, S, D]
 
     qg = q.astype(jnp.float32).reshape(b, s, h, n // h, d)
