@@ -313,8 +313,8 @@ def init_cache(
         cap = _round_up(max_len, g)
         kpb = quantization.codes_per_byte(config.k_bits)
         vpb = quantization.codes_per_byte(config.v_bits)
-        kp = config.k_scale_format.params(dtype)
-        vp = config.v_scale_format.params(dtype)
+        kp = config.k_scale_format.params(dtype, config.k_bits)
+        vp = config.v_scale_format.params(dtype, config.v_bits)
         ring = config.residual_format.dtype(dtype)
         shapes = dict(
             k_codes=((*lead, cap // kpb, head_dim), jnp.uint8),
@@ -716,7 +716,7 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     group quantization, with the mixed layout's sinks and fine channels (module doc).
     """
     b, g, f = cfg.k_bits, cfg.group_size, cfg.fine_key_channels
-    params = cfg.k_scale_format.params(dtype)  # the key scales' and zeros' storage
+    params = cfg.k_scale_format.params(dtype, b)  # the key scales' and zeros' storage
     w = win.shape[2]
     if cfg.sinks:  # the sinks take token S's key: the first group's range is over [S, G)
         j = jnp.arange(w)
@@ -758,7 +758,7 @@ def _keys_at(cfg: KiviConfig, arrays: dict, pos: jax.Array, dtype) -> jax.Array:
     shift = ((pos % kpb) * b).astype(jnp.uint8)[:, None, :, None]
     code = (_gather(arrays["k_codes"], byte) >> shift) & mask  # [B, H, J, D]
     stored_scale = _gather(arrays["k_scale"], group)
-    params = cfg.k_scale_format.params(dtype)
+    params = cfg.k_scale_format.params(dtype, b)
     zero = quantization.zero_values(stored_scale, _gather(arrays["k_zero"], group), params)
     scale = stored_scale.astype(jnp.float32)
     if arrays.get("fine_codes") is None:
@@ -903,7 +903,7 @@ def _extend_kivi(
     # Values leaving the window, read from the ring before the new tokens take their slots,
     # then from the new tokens.
     (v_win,), v_ring = _ring_step(cache.v_residual, v, [(p0, seq, False)], old, keep)
-    v_params = cfg.v_scale_format.params(dtype)
+    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
     codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=v_params)
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
     pos = p0[:, None] + jnp.arange(seq)
@@ -988,7 +988,8 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
         cfg = cache.config
         g, r = cfg.group_size, cfg.residual_length
         side = cache.side
-        kp, vp = (f.params(cache.dtype) for f in (cfg.k_scale_format, cfg.v_scale_format))
+        kp = cfg.k_scale_format.params(cache.dtype, cfg.k_bits)
+        vp = cfg.v_scale_format.params(cache.dtype, cfg.v_bits)
         if side is not None and side.fine_codes is not None:
             rep = lambda x: jnp.repeat(x, g, axis=2)
             kq = _fine_dequantize(

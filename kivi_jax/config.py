@@ -41,9 +41,10 @@ class Format(enum.Enum):
     E4M3: float8_e4m3fn (3 mantissa bits, finite range +-448, subnormals down to 2^-9).
     E5M2: float8_e5m2 (2 mantissa bits, finite range +-57344, subnormals down to 2^-16).
     E4M3_INT8: scales and zeros only (k_scale_format, v_scale_format): an e4m3 scale s and an
-      int8 zero point n, the zero's value n * s * 2^-ZERO_FRACTION_BITS rounded down to the
-      cache dtype (quantization.IntZero): a zero as precise as a fraction of the group's step
-      where e4m3's 3 mantissa bits move a large zero by many steps.
+      int8 zero point n counting units of s * 2^bits / 64 (about 1/64 of the group's range;
+      bits the codes' width), both rounded to nearest with the grid centred on the group
+      (quantization.IntZero; the others' s rounded up and z down cover the range but widen
+      every step).
     """
 
     CACHE = "cache"
@@ -59,16 +60,12 @@ class Format(enum.Enum):
             raise ValueError("Format.E4M3_INT8 stores scales and zeros, not tokens")
         return jnp.dtype(jnp.float8_e4m3fn if self is Format.E4M3 else jnp.float8_e5m2)
 
-    def params(self, cache_dtype):
-        """How this format stores scales and zeros, for a cache of `cache_dtype`: their dtype,
-        or a quantization.IntZero (kivi_jax.quantization's `quantize` takes either)."""
+    def params(self, cache_dtype, bits: int):
+        """How this format stores the scales and zeros of `bits`-bit codes in a cache of
+        `cache_dtype`: their dtype, or a quantization.IntZero (quantize takes either)."""
         if self is Format.E4M3_INT8:
-            return quantization.IntZero(jnp.dtype(cache_dtype), -ZERO_FRACTION_BITS)
+            return quantization.IntZero(jnp.dtype(cache_dtype), bits - 6)
         return self.dtype(cache_dtype)
-
-
-# Format.E4M3_INT8's zero points count steps of scale / 2^ZERO_FRACTION_BITS.
-ZERO_FRACTION_BITS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -161,7 +161,10 @@ def held_bits(
     else:
         kw, vw = (
             8 * (quantization.scale_dtype(p).itemsize + quantization.zero_dtype(p).itemsize)
-            for p in (config.k_scale_format.params(dtype), config.v_scale_format.params(dtype))
+            for p in (
+                config.k_scale_format.params(dtype, config.k_bits),
+                config.v_scale_format.params(dtype, config.v_bits),
+            )
         )
         rw = jnp.dtype(config.residual_format.dtype(dtype)).itemsize * 8
         g, r = config.group_size, config.residual_length

@@ -11,11 +11,14 @@ z + (2^B - 1) * s covers max(X) and every member is within s / 2 of its reconstr
 constant group has s = 0 and reconstructs exactly as z where z is exact (the cache dtype).
 In float8 the zero is first saturated at +-the format's largest value and the scale at it:
 finite groups beyond the format's range get finite, inaccurate parameters.
-With an integer zero (`IntZero`: e4m3 scale, int8 zero point n) the zero's value is
-z = n * s * 2^shift rounded down to the cache dtype; s is the smallest e4m3 value from
-max((max(X) - min(X)) / (2^B - 1), what n's range needs) up for which n = floor(min(X) / (s *
-2^shift)) puts z + (2^B - 1) * s at or above max(X) (the group's range widened so that the grid
-covers [min, max]; every member within s / 2 again).
+With an integer zero (`IntZero`: an e4m3 scale s, an int8 zero point n counting units
+u = s * 2^shift) both are rounded to nearest instead: s is span / (2^B - 1) rounded to the
+nearest e4m3 value (raised where n's range needs it), n = round((mid - (2^B - 1) * s / 2) / u)
+centres the grid on the group's mid-range mid, and the zero's value n * u is rounded to the
+cache dtype. Members beyond the grid's ends take its end codes: every member is within
+s / 2 + (2^B - 1) / 2 * |s - span / (2^B - 1)| + u / 2 of its reconstruction (plus the zero's
+rounding to the cache dtype), where rounding s up and z down to cover the range would widen
+every step (docs/design.md, "Storage formats").
 A group with a non-finite member (NaN, +-inf) stores s = z = NaN (an integer zero: s = NaN,
 n = 0) and codes 0: all its members dequantize to NaN. Finite groups anywhere in float32's range
 get finite s, z and reconstructions (spans and products beyond the range are taken halved;
@@ -46,8 +49,8 @@ def is_float8(dtype) -> bool:
 @dataclasses.dataclass(frozen=True)
 class IntZero:
     """Group parameters stored as a float8 e4m3 scale s and an int8 zero point n (module doc):
-    the zero's value is n * s * 2^shift rounded down to `dtype`, the cache dtype in which it
-    is read. Where quantize takes a parameter dtype, an IntZero stands for this storage."""
+    the zero's value is n * s * 2^shift rounded to `dtype`, the cache dtype in which it is
+    read. Where quantize takes a parameter dtype, an IntZero stands for this storage."""
 
     dtype: jnp.dtype
     shift: int
@@ -71,7 +74,7 @@ def zero_values(scale: jax.Array, zero: jax.Array, params) -> jax.Array:
     if not isinstance(params, IntZero):
         return as_float32(zero)
     z = zero.astype(jnp.float32) * (as_float32(scale) * jnp.float32(2.0**params.shift))
-    return as_float32(round_down_to_dtype(z, params.dtype))
+    return as_float32(z.astype(params.dtype))
 
 
 def codes_per_byte(bits: int) -> int:
@@ -150,19 +153,14 @@ def round_up_to_dtype(x: jax.Array, dtype) -> jax.Array:
     return jnp.where(as_float32(y) < x, bumped, y)
 
 
-def round_down_to_dtype(x: jax.Array, dtype) -> jax.Array:
-    """Finite float32 x, within the range of the float `dtype`, cast to it rounded towards
-    -inf (never above x)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return x
-    uint = _UINT_OF_WIDTH[dtype.itemsize]
+def round_down_to_float8(x: jax.Array, dtype) -> jax.Array:
+    """Finite float32 x with |x| <= the float8 `dtype`'s largest value, cast to it rounded
+    towards -inf (never above x)."""
     y = x.astype(dtype)
-    yf, b = as_float32(y), lax.bitcast_convert_type(y, uint)
+    yf, b = as_float32(y), lax.bitcast_convert_type(y, jnp.uint8)
     # One step towards -inf: magnitude down for y > 0, up for y < 0, the negative subnormal
     # nearest 0 for y = +-0.
-    nearest_negative = uint((1 << (8 * dtype.itemsize - 1)) | 1)
-    down = jnp.where(yf > 0, b - uint(1), jnp.where(yf < 0, b + uint(1), nearest_negative))
+    down = jnp.where(yf > 0, b - 1, jnp.where(yf < 0, b + 1, jnp.uint8(0x81)))
     return jnp.where(yf > x, lax.bitcast_convert_type(down, dtype), y)
 
 
@@ -199,7 +197,7 @@ def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Arr
     nan = jnp.array(jnp.nan, dtype)
     if is_float8(dtype):  # zero rounded down, the scale over the span from it (module doc)
         top = float(jnp.finfo(dtype).max)
-        zero = round_down_to_dtype(jnp.clip(jnp.where(finite, lo, 0.0), -top, top), dtype)
+        zero = round_down_to_float8(jnp.clip(jnp.where(finite, lo, 0.0), -top, top), dtype)
         step = (jnp.where(finite, hi, 0.0) - as_float32(zero)) * jnp.float32(1.0 / levels)
         scale = round_up_to_dtype(step, dtype)
         return jnp.where(finite, scale, nan), jnp.where(finite, zero, nan)
@@ -210,36 +208,22 @@ def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Arr
     return scale, jnp.where(finite, lo.astype(dtype), nan)
 
 
-# e4m3 values grow by at most 1/8 a step: from span / levels to span / (levels - 1), where the
-# floor of the zero costs at most one step, is at most 7 steps up (1.5x at 2 bits); one more
-# for the zero's rounding to the cache dtype.
-_INT_ZERO_BUMPS = 8
-
-
 def _int_zero_scale_and_zero(lo, hi, finite, levels: int, params: IntZero):
     """scale_and_zero for an IntZero (module doc): the e4m3 scale and the int8 zero point."""
     e4m3 = jnp.dtype(jnp.float8_e4m3fn)
     top = float(jnp.finfo(e4m3).max)
-    unit = jnp.float32(2.0**params.shift)
+    unit = 2.0**params.shift  # the zero's unit, in scales
     lo, hi = jnp.where(finite, lo, 0.0), jnp.where(finite, hi, 0.0)
-    halved = (hi * 0.5 - lo * 0.5) * jnp.float32(2.0 / levels)  # span / levels, no overflow
-    # n = floor(lo / (s * unit)) in [-128, 127], and a zero clipped at 127 still reaching hi.
-    least = jnp.maximum(halved, jnp.maximum(-lo / (128 * unit), hi / (127 * unit + levels)))
-    scale = round_up_to_dtype(jnp.minimum(least, top), e4m3)
-
-    def zero_of(scale):
-        s = as_float32(scale)
-        step = jnp.where(s > 0, s * unit, 1.0)
-        n = jnp.floor(lo / step)
-        n = jnp.clip(jnp.where(n * step > lo, n - 1, n), -128, 127)  # a division rounded up
-        z = zero_values(scale, n.astype(jnp.int8), params)
-        return n.astype(jnp.int8), affine(jnp.float32(levels), s, z) >= hi
-
-    for _ in range(_INT_ZERO_BUMPS):
-        _, covers = zero_of(scale)
-        bumped = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8) + 1, e4m3)
-        scale = jnp.where(covers | (as_float32(scale) >= top), scale, bumped)
-    zero, _ = zero_of(scale)
+    step = (hi * 0.5 - lo * 0.5) * jnp.float32(2.0 / levels)  # span / levels, no overflow
+    mid = lo * 0.5 + hi * 0.5
+    # n = round((mid - levels * s / 2) / (s * unit)) lies in [-128, 127] for s >= need.
+    need = jnp.where(mid > 0, mid / (127 * unit + levels / 2), -mid / (128 * unit - levels / 2))
+    nearest = round_to_float8(step, e4m3)
+    least = round_up_to_dtype(jnp.minimum(need, top), e4m3)
+    scale = jnp.where(as_float32(least) > as_float32(nearest), least, nearest)
+    u = as_float32(scale) * jnp.float32(unit)
+    n = jnp.round((mid - as_float32(scale) * (levels / 2)) / jnp.where(u > 0, u, 1.0))
+    zero = jnp.clip(n, -128, 127).astype(jnp.int8)
     nan = jnp.array(jnp.nan, e4m3)
     return jnp.where(finite, scale, nan), jnp.where(finite, zero, jnp.int8(0))
 

@@ -49,16 +49,16 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
     cfg = cache.config
     wide = lambda x: x if x.dtype == cache.dtype else x.astype(cache.dtype)
     # An integer zero (Format.E4M3_INT8) read as its value: one of the cache dtype.
-    zeros = lambda s, z, f: wide(z) if z.dtype != jnp.int8 else (
-        zero_values(s, z, f.params(cache.dtype)).astype(cache.dtype)
+    zeros = lambda s, z, f, bits: wide(z) if z.dtype != jnp.int8 else (
+        zero_values(s, z, f.params(cache.dtype, bits)).astype(cache.dtype)
     )  # fmt: skip
     arrays = (
         cache.k_codes,
         wide(cache.k_scale),
-        zeros(cache.k_scale, cache.k_zero, cfg.k_scale_format),
+        zeros(cache.k_scale, cache.k_zero, cfg.k_scale_format, cfg.k_bits),
         cache.v_codes,
         wide(cache.v_scale),
-        zeros(cache.v_scale, cache.v_zero, cfg.v_scale_format),
+        zeros(cache.v_scale, cache.v_zero, cfg.v_scale_format, cfg.v_bits),
         wide(cache.k_residual),
         wide(cache.v_residual),
         cache.lengths,
