@@ -196,12 +196,12 @@ KIVI2_MIX = KiviConfig(
     selection=Selection.ERROR,
 )
 # KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value"):
-# kivi2-mix's parts with float8 (e4m3) scales and zeros, an e4m3 residual (rings, sinks and
-# heavy tokens) and 16 heavy tokens.
+# kivi2-mix's parts with e4m3 scales and int8 zero points rounded to nearest (E4M3_INT8), an
+# e4m3 residual (rings, sinks and heavy tokens) and 16 heavy tokens.
 KIVI2_LEAN = dataclasses.replace(
     KIVI2_MIX,
     heavy_tokens=16,
-    k_scale_format=Format.E4M3,
-    v_scale_format=Format.E4M3,
+    k_scale_format=Format.E4M3_INT8,
+    v_scale_format=Format.E4M3_INT8,
     residual_format=Format.E4M3,
 )

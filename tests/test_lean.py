@@ -104,7 +104,8 @@ def test_a_float8_residual_holds_the_tokens_rounded_as_they_entered(rng):
         SMALL_LEAN, batch=1, max_len=20, num_kv_heads=1, head_dim=8, dtype=jnp.bfloat16
     )
     assert cache.dtype == jnp.bfloat16
-    assert cache.k_scale.dtype == cache.v_zero.dtype == cache.k_residual.dtype == E4M3
+    assert cache.k_scale.dtype == cache.v_scale.dtype == cache.k_residual.dtype == E4M3
+    assert cache.k_zero.dtype == cache.v_zero.dtype == jnp.int8
     assert cache.side.sink_k.dtype == cache.side.heavy_v.dtype == E4M3
     k, v = random_kv(rng, 1, 20, 1, 8)
     cache = kj.prefill(cache, k, v)
