@@ -91,6 +91,12 @@ class KiviConfig:
       heavy_tokens: N, a per-sequence (per KV head) budget of tokens kept in full precision
         after they leave the window: the N highest-scoring of those that have left.
       selection: the score of the heavy tokens (Selection).
+
+    Storage formats (config.Format; all CACHE by default; docs/design.md, "Storage formats"):
+      k_scale_format, v_scale_format: the keys' and the values' scales and zero points (CACHE,
+        E4M3, E5M2 or E4M3_INT8).
+      residual_format: the tokens kept in full precision: both rings, the sinks and the heavy
+        tokens (CACHE, E4M3 or E5M2).
     """
 
     k_bits: int = 2
