@@ -8,16 +8,21 @@ drawn uniformly from the given ranges with a fixed seed (or read from a JSON fil
 output] pairs); the run ends when all of them have finished. Per rate:
 requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
 mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
-rate (prompt tokens/s of requests run alone) and the decode rate with every slot live, from
+rate (prompt tokens/s of requests run alone) and the decode rate with every slot live (the
+engine's decode program at the mean context, `decode_rate`), from
 which the saturation throughput is predicted (`predicted_out_tok_per_s`, the engine spending
 P/prefill + O/decode seconds per request of P prompt and O output tokens, the mean lengths);
-and, at a fixed batch with no arrivals mid-run, the engine's decode tokens/s beside `generate`'s
-on the same batch (both the wall-clock of the decode phase).
+and, at a fixed batch, the engine's decode tokens/s beside `generate`'s on the same batch (the
+wall-clock of each one's decode program; `decode_rate` says why not of requests).
 
     python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
     python benchmarks/serve.py run --model default --slots 8 --requests 8 --rates seq inf \\
         --prompt-range 32 96 --output-range 64 64 --http --out DIR    # the CPU, through HTTP too
     python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
+
+`--slots N --kv-bytes-gb X` runs the paged engine with N slots sharing X GB of KV state (the
+default gives every slot max_len tokens of pages, the reservation of contiguous slots): at one
+X, more slots than X holds at max_len is the pool's gain on a load of short requests.
 
 `run` measures each cache in a process of its own (its peak memory is its own) and writes
 DIR/serve_<model>_<kv>.json; `merge` writes serve.json, serve.md and serve.png (output tokens/s
@@ -95,6 +100,9 @@ def fit_of(engine) -> dict:
     plan = engine.memory_plan
     return dict(
         slots=engine.slots,
+        prefill_chunk=engine.prefill_chunk,
+        prefill_budget=engine.prefill_budget,
+        pages=engine.stats().pages_total,
         limit_gb=None if plan.limit is None else plan.limit / 1e9,
         in_use_gb=plan.in_use / 1e9,
         slot_gb=plan.slot / 1e9,
@@ -209,47 +217,82 @@ def prefill_rate(engine, vocab: int, length: int, n: int, seed: int) -> float:
     return n * length / (time.perf_counter() - t0)
 
 
-def traced_step(engine) -> dict:
-    """Two scheduler steps under a GPU trace: {kernel: [launches, ms]} summed by name (the
-    largest 20), with "span_ms" the first kernel's start to the last kernel's end."""
-    import tempfile
-
+def _occupied(state, live: int, length: int):
+    """An engine's state with slots [0, live) decoding at `length` tokens of context and the
+    rest free, in the state's own shardings (so its compiled decode program takes it). The
+    caches' contents stay as they are: the program's time does not depend on the values."""
     import jax
-    from timing import gpu_kernels, kernel_totals, span_seconds
+    import jax.numpy as jnp
 
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            engine.step()
-            engine.step()  # the call read back: the first step's decode call has finished
-        events = gpu_kernels(d)
-    if not events:
-        return {}
-    totals = list(kernel_totals(events).items())[:20]
-    return dict(span_ms=span_seconds(events) * 1e3,
-                kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    def fill(state):
+        active = jnp.arange(state.active.shape[0]) < live
+        lengths = jnp.where(active, length, 0).astype(jnp.int32)
+        caches = tuple(dataclasses.replace(c, lengths=lengths) for c in state.caches)
+        return dataclasses.replace(
+            state, caches=caches, active=active, count=jnp.zeros_like(state.count),
+            limit=jnp.full_like(state.limit, 1 << 30),
+        )  # fmt: skip
+
+    where = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(fill, out_shardings=where, donate_argnums=0)(state)
 
 
-def decode_rate(engine, vocab: int, *, batch: int, length: int, new: int, seed: int,
-                trace: dict | None = None) -> float:  # fmt: skip
-    """Decode tokens/s of `batch` requests of `length` prompt tokens, timed from the step at
-    which all of them hold their first token to the end (the wall-clock of the decode phase).
-    `trace` (a dict), on a GPU, gets traced_step's kernels of two steps taken first."""
+def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict | None = None):
+    """Decode tokens/s of the engine's own decode program (the one its scheduler calls, of
+    `decode_steps` steps) with `live` of its slots decoding at `length` tokens of context:
+    the wall-clock of `calls` calls after a first one, on the engine's state with those slots
+    made active in place, each given its own pages (benchmark-only access to the engine's
+    state and pool; the slots freed again after).
+    Real requests cannot measure this: admitting S prompts of `length` tokens takes S or more
+    scheduler steps, during which the first ones decode and finish, so a wall-clock over
+    requests never has every slot live (the measure this replaced reported the tail of a few
+    live requests: 703 tok/s on the H100 at 167 slots, docs/serving.md). `trace` (a dict), on
+    a GPU, gets the kernels of one call summed by name and its GPU span."""
     import jax
+    from timing import gpu_kernels, kernel_totals, span_seconds, split_runs
 
-    from kivi_jax.generate import Sampling
+    from kivi_jax.paged import NO_PAGE
+    from kivi_jax.serving import programs
 
-    rng = np.random.default_rng(seed + 3)
-    hs = [
-        engine.submit(prompt(rng, vocab, length), Sampling(), max_new_tokens=new)
-        for _ in range(batch)
-    ]
-    step_until(engine, lambda: all(h.first_token_time is not None for h in hs))
-    if trace is not None and jax.default_backend() == "gpu":
-        trace.update(traced_step(engine))
-    before = engine.stats().generated_tokens
+    engine._allocate()
+    state = _occupied(engine._state, live, length)
+    pool = engine._pool
+    S, M = engine._pages.table.shape
+    if live * M > engine._pages.total:
+        raise ValueError(
+            f"{live} slots of {M} pages need more than the pool's {engine._pages.total}"
+        )
+    table = np.full((S, M), NO_PAGE, np.int32)
+    table[:live] = np.arange(live * M, dtype=np.int32).reshape(live, M)  # distinct pages a slot
+
+    def call(state, pool):
+        return programs.decode(
+            engine.params, state, pool, table, steps=engine.decode_steps, sampled=False,
+            extras=False, layout=engine._layout,
+        )[:3]  # fmt: skip
+
+    state, pool, out = call(state, pool)  # compiled by warmup(): this one runs it once
+    jax.block_until_ready(out)
     t0 = time.perf_counter()
-    step_until(engine, lambda: all(h.done for h in hs))
-    return (engine.stats().generated_tokens - before) / (time.perf_counter() - t0)
+    for _ in range(calls):
+        state, pool, out = call(state, pool)
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - t0) / calls
+    if trace is not None and jax.default_backend() == "gpu":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                state, pool, out = call(state, pool)
+                jax.block_until_ready(out)
+            runs = split_runs(gpu_kernels(d))
+        if runs:
+            totals = list(kernel_totals(runs[0]).items())[:20]
+            trace.update(span_ms=span_seconds(runs[0]) * 1e3, live=live, length=length,
+                         kernels={n: [c, t * 1e3] for n, (c, t) in totals})  # fmt: skip
+    engine._pool = pool
+    engine._state = _occupied(state, 0, 0)
+    return live * engine.decode_steps / seconds
 
 
 def generate_decode_rate(params, vocab: int, kv: str, *, batch: int, length: int, new: int,
@@ -304,7 +347,9 @@ def measure_kv(args, save=None) -> dict:
     def new_engine(slots):
         return Engine(
             params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
-            max_queue=1 << 20, memory_budget=budget,
+            prefill_budget=args.prefill_budget, max_queue=1 << 20, memory_budget=budget,
+            kv_bytes=None if args.kv_bytes_gb is None else int(args.kv_bytes_gb * 1e9),
+            page_size=args.page_size,
         )  # fmt: skip
 
     mean_p = sum(args.prompt_range) / 2
@@ -328,10 +373,7 @@ def measure_kv(args, save=None) -> dict:
               file=sys.stderr, flush=True)  # fmt: skip
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
     trace: dict = {}
-    decode = decode_rate(
-        engine, vocab, batch=slots, length=int(mean_p), new=int(mean_o), seed=args.seed,
-        trace=trace,
-    )  # fmt: skip
+    decode = decode_rate(engine, live=slots, length=int(mean_p + mean_o / 2), trace=trace)
     for name, (n, ms) in list(trace.get("kernels", {}).items())[:8]:
         print(f"  decode step kernels: {name[:60]} x{n} {ms:.2f} ms", file=sys.stderr, flush=True)
     rates = dict(
@@ -343,8 +385,10 @@ def measure_kv(args, save=None) -> dict:
           f"predicted {rates['predicted_out_tok_per_s']:.0f} out tok/s", file=sys.stderr,
           flush=True)  # fmt: skip
     overhead = None
-    if args.overhead_batch:
-        eng = decode_rate(engine, vocab, batch=b, length=length, new=new, seed=args.seed)
+    if args.overhead_batch and args.overhead_batch > slots:
+        print(f"  overhead: batch {b} > {slots} slots, not measured", file=sys.stderr)
+    elif args.overhead_batch:
+        eng = decode_rate(engine, live=b, length=length + new // 2)
         overhead = dict(batch=b, prompt=length, new_tokens=new, engine_decode_tok_per_s=eng,
                         generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen)  # fmt: skip
         print(f"  overhead at batch {b}: engine {eng:.0f}, generate {gen:.0f} tok/s",
@@ -563,9 +607,10 @@ def markdown(result: dict) -> str:
     if result.get("overhead"):
         lines += [
             "",
-            "The engine's own overhead: decode tokens/s at a fixed batch, no arrivals mid-run "
-            "(wall-clock of the decode phase, same process; the engine at its full slot count, "
-            "`batch` of them live; generate measured first, before the engine allocates).",
+            "The engine's own overhead: decode tokens/s at a fixed batch (the wall-clock of each "
+            "one's decode program, same process; the engine at its full slot count, `batch` of "
+            "them live at the mean context; generate measured first, before the engine "
+            "allocates).",
             "",
             "| device | model | kv | batch | prompt + new | engine tok/s | generate tok/s "
             "| engine / generate | call |",
@@ -656,9 +701,16 @@ def main_parser() -> argparse.ArgumentParser:
     q.add_argument("--lengths", help="JSON file of [prompt, output] pairs instead")
     q.add_argument("--seconds", type=float, help="finite rates: requests over this many seconds")
     q.add_argument("--prefill-chunk", type=int, default=512)
+    q.add_argument("--prefill-budget", type=int, help="prompt tokens a step (the engine's default)")
     q.add_argument("--prefill-requests", type=int, default=4)
     q.add_argument("--overhead-batch", type=int, default=16)
     q.add_argument("--slots", type=int, help="instead of the budget's")
+    q.add_argument(
+        "--kv-bytes-gb",
+        type=float,
+        help="the KV state's bytes, pool and slots (default: every slot's max_len)",
+    )
+    q.add_argument("--page-size", type=int, default=128)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--timeout-s", type=float, default=600.0)
     q.add_argument("--call", default="local")

@@ -237,8 +237,9 @@ Cache = KiviCache | FullCache
 
 
 # The layout invariant that slot insertion (kivi_jax.serving) and sharding rely on: every array
-# of a cache, MixedState included, holds one row per sequence on axis BATCH_AXIS, and its KV-head
-# axis is the one named here (None: the array has no head axis). A layout change updates this
+# of a cache, MixedState included, holds one row per sequence on axis BATCH_AXIS (a
+# kivi_jax.paged pool: one page), and its KV-head axis is the one named here (None: the array
+# has no head axis). A layout change updates this
 # table, and tests/test_cache.py checks it against every kind of cache.
 BATCH_AXIS = 0
 KV_HEAD_AXIS: dict[str, int | None] = {
@@ -248,6 +249,7 @@ KV_HEAD_AXIS: dict[str, int | None] = {
     "v": 2,
     "lengths": None,
     "overflow": None,
+    "table": None,  # kivi_jax.paged.PagedCache's page table [B, max_pages]
 }
 
 
@@ -587,16 +589,27 @@ _APPEND_FIELDS = (
 
 
 def _append_kernel_supports(cache: KiviCache) -> bool:
-    """Plain KIVI (no mixed state, every float in the cache dtype), 2/4-bit codes, power-of-two
-    head_dim, G and R."""
+    """Every float in the cache dtype, 2/4-bit codes, power-of-two head_dim, G and R; plain
+    KIVI, or a mixed state whose parts the kernel writes: S sinks a power of two, F fine key
+    channels a multiple of 16, heavy tokens chosen by ERROR (scored by XLA, merged by a second
+    kernel) or none."""
     cfg, d = cache.config, cache.head_dim
     pow2 = lambda x: (x & (x - 1)) == 0
-    return (
-        cache.side is None
-        and cfg.plain_formats
+    plain = (
+        cfg.plain_formats
         and cfg.k_bits in (2, 4)
         and cfg.v_bits in (2, 4)
         and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
+    )
+    if cache.side is None:
+        return plain
+    return (
+        plain
+        and cfg.sinks > 0
+        and pow2(cfg.sinks)
+        and cfg.fine_key_channels > 0
+        and cfg.fine_key_channels % 16 == 0
+        and not cfg.needs_queries
     )
 
 
@@ -604,17 +617,61 @@ def _append_kernel_applies(cache: KiviCache) -> bool:
     return jax.default_backend() == "gpu" and _append_kernel_supports(cache)
 
 
-def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
-    """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1})."""
-    from kivi_jax.pallas_kernels.append.gpu import append_kernel
+# The mixed state's parts the append kernel writes (the heavy slots: the heavy merge kernel).
+_APPEND_SIDE_FIELDS = ("sink_k", "sink_v", "fine_codes", "fine_channels")
 
-    cfg = cache.config
-    out = append_kernel(
-        *[getattr(cache, n) for n in _APPEND_FIELDS], old, fits, k, v,
+
+def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
+    """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1}): the append
+    kernel; for a mixed state with heavy tokens, the leaving token's score (XLA) and the heavy
+    merge kernel after it."""
+    from kivi_jax.pallas_kernels.append.gpu import append_kernel, heavy_merge_kernel
+
+    cfg, side = cache.config, cache.side
+    arrays = [getattr(cache, n) for n in _APPEND_FIELDS]
+    config = dict(
         k_bits=cfg.k_bits, v_bits=cfg.v_bits, group_size=cfg.group_size,
         residual_length=cfg.residual_length, interpret=interpret,
     )  # fmt: skip
-    return dict(zip(_APPEND_FIELDS, out, strict=True))
+    if side is None:
+        out = append_kernel(*arrays, old, fits, k, v, **config)
+        return dict(zip(_APPEND_FIELDS, out, strict=True))
+    parts = tuple(getattr(side, n) for n in _APPEND_SIDE_FIELDS)
+    *out, k_leave, v_leave = append_kernel(*arrays, old, fits, k, v, parts, **config)
+    updated = dict(zip(_APPEND_FIELDS + _APPEND_SIDE_FIELDS, out, strict=True))
+    parts = {n: updated.pop(n) for n in _APPEND_SIDE_FIELDS}
+    if cfg.heavy_tokens:
+        pos, leaving, score = _leaving_token_score(
+            cfg, {**updated, **parts}, k_leave, v_leave, old, fits, cache.dtype
+        )
+        fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
+        cast = lambda x: x.astype(side.heavy_k.dtype)
+        heavy = heavy_merge_kernel(
+            *(getattr(side, n) for n in fields), leaving.astype(jnp.int32), pos, score,
+            cast(k_leave), cast(v_leave), interpret=interpret,
+        )  # fmt: skip
+        parts |= dict(zip(fields, heavy, strict=True))
+    return updated | dict(side=dataclasses.replace(side, **parts))
+
+
+def _leaving_token_score(cfg: KiviConfig, arrays: dict, k_leave, v_leave, old, fits, dtype):
+    """The ERROR score of each row's token t - R (t = old), which left the value window with
+    key and value k_leave, v_leave [B, H, D] (read from the rings; `arrays` the state after the
+    step), as `_extend_kivi` scores it: (its position [B], whether it is a candidate [B],
+    float32 score [B, H], a NaN taken as +inf); `dtype` the cache dtype."""
+    r, g = cfg.residual_length, cfg.group_size
+    pos = jnp.maximum(old - r, 0)  # [B]
+    leaving = (fits > 0) & (old - r >= 0) & (pos >= cfg.sinks)
+    at = pos[:, None]  # [B, 1]
+    k_leave, v_leave = (x[:, :, None].astype(jnp.float32) for x in (k_leave, v_leave))
+    k_hat = _keys_at(cfg, arrays, at, dtype)  # [B, H, 1, D]
+    codes = quantization.unpack_codes(_gather(arrays["v_codes"], at), cfg.v_bits, axis=3)
+    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
+    v_hat = quantization.dequantize(
+        codes, _gather(arrays["v_scale"], at), _gather(arrays["v_zero"], at), g, 3, v_params
+    )
+    score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
+    return pos, leaving, jnp.where(jnp.isnan(score), jnp.inf, score)[:, :, 0]
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).
@@ -697,14 +754,10 @@ def _ordered_sum(x: jax.Array) -> jax.Array:
 
 
 def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
-    """[..., F] values at channel indices [..., F] -> [..., d], zero elsewhere."""
-
-    def one(xx, cc):
-        return jnp.zeros((d,), xx.dtype).at[cc.astype(jnp.int32)].set(xx)
-
-    for _ in range(x.ndim - 1):
-        one = jax.vmap(one)
-    return one(x, channels)
+    """[..., F] values (bool or unsigned) at distinct channel indices [..., F] -> [..., d], zero
+    elsewhere; by comparison with every channel (elementwise, no scatter)."""
+    at = channels.astype(jnp.int32)[..., None] == jnp.arange(d)  # [..., F, d]
+    return jnp.max(jnp.where(at, x[..., None], jnp.zeros((), x.dtype)), axis=-2)
 
 
 def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
@@ -732,8 +785,8 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     fine, fine_scale, fine_zero = quantization.quantize(win, 2 * b, g, axis=2, dtype=fine_params)
     grouped = win.astype(jnp.float32).reshape(*win.shape[:2], w // g, g, win.shape[3])
     spread = jnp.max(grouped, axis=3) - jnp.min(grouped, axis=3)  # [B, H, W // G, D]
-    channels = jnp.sort(jax.lax.top_k(spread, f)[1], axis=-1)  # [B, H, W // G, F]
-    is_fine = _put_channels(jnp.ones(channels.shape, bool), channels, win.shape[3])
+    # is_fine [B, H, W // G, D], channels [B, H, W // G, F]
+    is_fine, channels = quantization.widest_channels(spread, f)
     per_token = lambda x: jnp.repeat(x, g, axis=2)
     codes = jnp.where(per_token(is_fine), fine >> b, codes)
     dtype = quantization.scale_dtype(params)
@@ -861,6 +914,36 @@ def _merge_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, 
     )
 
 
+def _merge_one_heavy(side: MixedState, cand_k, cand_v, cand_pos, cand_score, valid, n: int):
+    """`_merge_heavy` for one candidate per row (J = 1, a decode step), as selects over the N
+    slots (no sort, no gather): the candidate takes the first empty slot; if none is empty
+    and it scores above the worst slot (lowest score, of equal ones the latest position),
+    the slots after the worst move down one and the candidate takes the last."""
+    score = jnp.where(jnp.isnan(cand_score), jnp.inf, cand_score)  # [B, H, 1]
+    held = side.heavy_pos >= 0  # [B, H, N], the held ones first
+    count = jnp.sum(held, axis=2, keepdims=True)
+    worst = jnp.min(jnp.where(held, side.heavy_score, jnp.inf), axis=2, keepdims=True)
+    i = jnp.arange(n)
+    last_worst = jnp.max(jnp.where(held & (side.heavy_score == worst), i, -1), axis=2)
+    full = count == n
+    enters = valid & (~full | (score > worst))  # [B, H, 1]
+    shift_from = jnp.where(full, last_worst[..., None], n)  # slots from here take the next one's
+    write_at = jnp.where(full, n - 1, count)
+
+    def merged(x, cand):  # x [B, H, N(, D)], cand [B, H, 1(, D)]
+        lift = lambda m: m.reshape(m.shape + (1,) * (x.ndim - 3))
+        nxt = jnp.concatenate([x[:, :, 1:], x[:, :, -1:]], axis=2)  # slot i: slot i + 1's
+        x = jnp.where(lift(enters & (i >= shift_from)), nxt, x)
+        return jnp.where(lift(enters & (i == write_at)), cand, x)
+
+    return dict(
+        heavy_pos=merged(side.heavy_pos, cand_pos),
+        heavy_score=merged(side.heavy_score, score),
+        heavy_k=merged(side.heavy_k, cand_k.astype(side.heavy_k.dtype)),
+        heavy_v=merged(side.heavy_v, cand_v.astype(side.heavy_v.dtype)),
+    )
+
+
 def _extend_kivi(
     cache: KiviCache,
     k: jax.Array,  # [B, H, S, D]
@@ -923,11 +1006,13 @@ def _extend_kivi(
         return updated
 
     parts = {}
-    if cfg.sinks:  # the new tokens below S, at slot t
-        at = _drop_unless((t < cfg.sinks) & (t < new[:, None]), t)
+    if cfg.sinks:  # the new tokens below S, at slot t: sink s takes new token s - old
+        j = jnp.arange(cfg.sinks) - old[:, None]  # [B, S]
+        takes = ((j >= 0) & (j < new[:, None] - old[:, None]))[:, None, :, None]
+        at = jnp.clip(j, 0, seq - 1)
         parts |= dict(
-            sink_k=_scatter(side.sink_k, at, k.astype(side.sink_k.dtype), axis=2),
-            sink_v=_scatter(side.sink_v, at, v.astype(side.sink_v.dtype), axis=2),
+            sink_k=jnp.where(takes, _gather(k, at).astype(side.sink_k.dtype), side.sink_k),
+            sink_v=jnp.where(takes, _gather(v, at).astype(side.sink_v.dtype), side.sink_v),
         )
     if fine_lo is not None:
         parts |= dict(
@@ -963,7 +1048,8 @@ def _extend_kivi(
             v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3, params=v_params)
             score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
         h = k.shape[1]
-        parts |= _merge_heavy(
+        merge = _merge_one_heavy if seq == 1 else _merge_heavy
+        parts |= merge(
             side,
             k_leave,
             v_leave,

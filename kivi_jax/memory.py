@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from kivi_jax import quantization
 from kivi_jax.cache import Cache, FullCache, check_cache
 from kivi_jax.config import KiviConfig
+from kivi_jax.paged import PagedCache, merge
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,12 @@ class MemoryReport:
     a FullCache, its own total_bytes). side_bytes is a mixed-precision cache's side storage
     (kivi_jax.cache.MixedState: sinks, fine key planes and channel indices, heavy tokens with
     positions and scores, ring scores).
+
+    A paged state (kivi_jax.paged.PagedCache) is counted by the same fields, its token-axis
+    arrays being its pool's: pool_bytes is the pool (every page), table_bytes its page table
+    (counted once for the layers of a tuple that share it),
+    and slot_bytes the per-sequence part (the rest: rings, counters, side state, table);
+    capacity_values counts the values the pool can hold. A contiguous state has pool_bytes 0.
     """
 
     codes_bytes: int
@@ -32,31 +39,43 @@ class MemoryReport:
     full_precision_bytes: int
     capacity_values: int
     side_bytes: int = 0
+    pool_bytes: int = 0
+    table_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         parts = (self.codes_bytes, self.scales_zeros_bytes, self.residual_bytes, self.side_bytes)
-        return sum(parts) + self.counters_bytes
+        return sum(parts) + self.counters_bytes + self.table_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """The per-sequence part: everything but the pool."""
+        return self.total_bytes - self.pool_bytes
 
     @property
     def bits_per_value_allocated(self) -> float:
         return 8 * self.total_bytes / self.capacity_values
 
 
-def memory_report(cache: Cache | tuple[Cache, ...]) -> MemoryReport:
+def memory_report(cache: Cache | PagedCache | tuple) -> MemoryReport:
     """Exact bytes the arrays of `cache` occupy (one layer, or a tuple of layers: their sum)."""
     if isinstance(cache, tuple | list):
         if not cache:
             raise ValueError("memory_report: cache is an empty sequence; pass one or more caches")
         reports = [memory_report(c) for c in cache]
-        return MemoryReport(
-            **{
-                f.name: sum(getattr(r, f.name) for r in reports)
-                for f in dataclasses.fields(reports[0])
-            }
+        fields = [f.name for f in dataclasses.fields(MemoryReport)]
+        total = {name: sum(getattr(r, name) for r in reports) for name in fields}
+        # the layers of a paged state share one page table: counted once
+        tables = {id(c.table): c.table for c in cache if isinstance(c, PagedCache)}
+        total["table_bytes"] = sum(t.size * t.dtype.itemsize for t in tables.values())
+        return MemoryReport(**total)
+    size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
+    if isinstance(cache, PagedCache):
+        flat = memory_report(merge(cache.rows, cache.pages))
+        return dataclasses.replace(
+            flat, pool_bytes=size(*jax.tree.leaves(cache.pages)), table_bytes=size(cache.table)
         )
     check_cache(cache)
-    size = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
     counters = size(cache.lengths, cache.overflow)
     # A FullCache's k and v: [batch, max_len, kv_heads, head_dim] each.
     full_kv = 2 * cache.batch * cache.max_len * cache.num_kv_heads * cache.head_dim

@@ -70,9 +70,10 @@ def zero_dtype(params) -> jnp.dtype:
 
 
 def zero_values(scale: jax.Array, zero: jax.Array, params) -> jax.Array:
-    """The zero points' values, float32, from the stored scale and zero (module doc)."""
+    """The zero points' values, float32, from the stored scale and zero (module doc), as the
+    readers take them (a float zero widened by a cast)."""
     if not isinstance(params, IntZero):
-        return as_float32(zero)
+        return zero.astype(jnp.float32)
     z = zero.astype(jnp.float32) * (as_float32(scale) * jnp.float32(2.0**params.shift))
     return as_float32(z.astype(params.dtype))
 
@@ -267,7 +268,7 @@ def quantize(
     g = xf.reshape(*lead, m // group_size, group_size)  # [..., groups, G]
     finite = jnp.all(is_finite(g), axis=-1)
     scale, zero = scale_and_zero(jnp.min(g, axis=-1), jnp.max(g, axis=-1), finite, bits, dtype)
-    z = zero_values(scale, zero, dtype)
+    z = zero_values(scale, zero, dtype) if isinstance(dtype, IntZero) else zero
     codes = codes_of(g, scale[..., None], z[..., None], finite[..., None], bits)
     codes = codes.reshape(*lead, m)
     return (
@@ -285,6 +286,28 @@ def dequantize(
     s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
     z = jnp.repeat(zero_values(scale, zero, params), group_size, axis=axis)
     return affine(codes.astype(jnp.float32), s, z)
+
+
+def _total_order_key(x: jax.Array) -> jax.Array:
+    """float32 x -> int32 keys in the floats' total order (lax.top_k's and lax.sort's: -NaN <
+    -inf < ... < -0 < +0 < ... < +inf < +NaN)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def widest_channels(spread: jax.Array, f: int) -> tuple[jax.Array, jax.Array]:
+    """The F channels of largest spread [..., D] float32, as lax.top_k picks them (the floats'
+    total order, ties to the lower channel): (is_fine bool [..., D], channels int32 [..., F]
+    ascending). By counting comparisons (D x D per group), not by a sort, so that the fused
+    append kernel (pallas_kernels/append/gpu.py) picks them with the same code."""
+    key = _total_order_key(spread)
+    c = jnp.arange(spread.shape[-1])
+    kc, ko = key[..., :, None], key[..., None, :]  # [..., D (channel), D (other)]
+    ahead = (ko > kc) | ((ko == kc) & (c[None, :] < c[:, None]))
+    is_fine = jnp.sum(ahead, axis=-1) < f  # fewer than F channels rank ahead
+    below = jnp.sum(is_fine[..., None, :] & (c[None, :] < c[:, None]), axis=-1)  # [..., D]
+    nth = is_fine[..., None, :] & (below[..., None, :] == jnp.arange(f)[:, None])  # [..., F, D]
+    return is_fine, jnp.sum(jnp.where(nth, c, 0), axis=-1)
 
 
 def affine(c: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:

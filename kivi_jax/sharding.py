@@ -394,11 +394,27 @@ def decode_step(params: LlamaParams, tokens, positions, caches, active=None):
     cspecs = cache_specs(caches, mesh)
 
     def step(p, tokens, positions, caches, active):
+        caches = _local_pages(caches, mesh)
         return llama.decode_step(_local(p, mesh), tokens, positions, caches, active)
 
     b = P(_data_axis(mesh))
     in_specs = (param_specs(params), b, b, cspecs, _batch_spec(mesh, active))
     return _shard_map(step, mesh, in_specs, (b, cspecs))(params, tokens, positions, caches, active)
+
+
+def _local_pages(caches, mesh: Mesh):
+    """Inside shard_map: each PagedCache's table with the shard's own page ids (global ids
+    minus the pages of the "data" shards before it; kivi_jax.serving.pool: a slot's pages are
+    its shard's)."""
+    from kivi_jax.paged import NO_PAGE, PagedCache
+
+    def local(c):
+        if not isinstance(c, PagedCache) or _data_axis(mesh) is None:
+            return c
+        first = jax.lax.axis_index(DATA_AXIS) * c.num_pages
+        return dataclasses.replace(c, table=jnp.where(c.table == NO_PAGE, NO_PAGE, c.table - first))
+
+    return tuple(local(c) for c in caches)
 
 
 def prefill(params: LlamaParams, tokens, lengths, caches, *, rows: int | None = None):

@@ -6,12 +6,12 @@ one per output channel), with the invariant
 
     w ~= (qvalue - zero_point) * scale     (scale and zero point repeated over each group of g rows)
 
-computed in `scale.dtype`, the compute dtype. Its matmul (`dense`) dequantizes the weight into the
-dot's operand (convert, subtract, multiply, dot) and leaves the fusion to XLA: on a GPU the convert
-is to become part of the GEMM's operand fusion (tests/test_weights.py's GPU test checks the
-compiled step); on the CPU each matrix is dequantized into scratch
-before its dot (all of a step's matrices at once under XLA's default CPU scheduler, one at a time
-under the memory-first one: docs/weights.md).
+computed in `scale.dtype`, the compute dtype. Its matmul (`dense`) runs the fused GPU kernel
+(pallas_kernels/matmul/gpu.py: codes read as stored, scales applied to partial sums) for a
+decode step on a GPU, and otherwise the reference: the weight dequantized into the dot's
+operand (convert, subtract, multiply, dot), which XLA computes as a separate copy of the weight
+(on the CPU all of a step's matrices at once under its default scheduler, one at a time under
+the memory-first one: docs/weights.md).
 
 Formats (`quantize_weights`):
   int8   symmetric, one scale per output channel: q = round(w / s), s = max|w| / 127 per column.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 
 import flax.struct
 import jax
@@ -44,6 +45,7 @@ __all__ = [
     "concat_columns",
     "dense",
     "dequantize",
+    "fused_unsupported_reason",
     "group_for",
     "quantize_matrix",
     "quantize_weights",
@@ -140,9 +142,28 @@ def dequantize(w: QuantizedWeight | jax.Array) -> jax.Array:
     return (q * w.scale[:, None]).reshape(n_in, n_out)
 
 
+def fused_unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
+    """Why `dense(x, w)` does not run the fused GPU kernel (pallas_kernels/matmul/gpu.py); None
+    where it does: on a GPU, a decode step's rows (at most 64), bf16 / f16 activations, int8 /
+    int4 codes, N a multiple of 64, row groups a power of two >= 16 or one per column."""
+    if jax.default_backend() != "gpu":
+        return f"the fused kernel needs a GPU (backend here: {jax.default_backend()})"
+    from kivi_jax.pallas_kernels.matmul.gpu import unsupported_reason
+
+    rows = math.prod(x.shape[:-1])
+    return unsupported_reason(rows, *w.shape, w.group, w.qvalue.dtype, x.dtype)
+
+
 def dense(x: jax.Array, w: QuantizedWeight | jax.Array, preferred_element_type=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x's dtype (float32 with
-    preferred_element_type=float32); a quantized w is dequantized into the dot's operand."""
+    preferred_element_type=float32). A quantized w is read as stored by the fused kernel where
+    it applies (`fused_unsupported_reason`: a decode step on a GPU), else dequantized into the
+    dot's operand (the reference)."""
+    if isinstance(w, QuantizedWeight) and fused_unsupported_reason(x, w) is None:
+        from kivi_jax.pallas_kernels.matmul.gpu import quantized_matmul
+
+        y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.qvalue, w.scale, w.zero_point)
+        return y.reshape(*x.shape[:-1], w.shape[1]).astype(preferred_element_type or x.dtype)
     if isinstance(w, QuantizedWeight):
         w = dequantize(w).astype(x.dtype)
     return jnp.einsum("...i,io->...o", x, w, preferred_element_type=preferred_element_type)

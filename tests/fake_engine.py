@@ -25,6 +25,11 @@ class FakeStats:
     kv_bytes_in_use: int
     requests_finished: dict
     generated_tokens: int
+    pages_total: int = 0
+    pages_used: int = 0
+    preemptions: int = 0
+    prefill_calls: int = 0
+    prompt_tokens_computed: int = 0
 
 
 class FakeHandle:

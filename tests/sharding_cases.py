@@ -273,12 +273,12 @@ ENGINE_REQUESTS = {"a": (20, 9), "long": (40, 8), "b": (5, 6)}  # name: (prompt,
 ENGINE_PROGRAMS = {
     f"jit({name})"
     for name in (
-        "_prefill_batch",
+        "prefill_batch",
         "prefill_chunk",
-        "_empty_row",
-        "_insert_row",
-        "_reset",
-        "_decode",
+        "empty_row",
+        "insert_row",
+        "reset",
+        "decode",
     )
 }
 compiled: list[str] = []

@@ -2,6 +2,8 @@
 GPU) writes the same state as the XLA append (the reference), bit for bit, on fresh random
 inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,11 @@ def _assert_same_state(got, want):
 def _check(monkeypatch, k_bits, v_bits, G, R, D, dtype, *, lengths, active, H, interpret):
     rng = np.random.default_rng(k_bits * 100 + v_bits * 10 + G)
     cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
+    _check_config(monkeypatch, cfg, D, dtype, rng, lengths=lengths, active=active, H=H,
+                  interpret=interpret)  # fmt: skip
+
+
+def _check_config(monkeypatch, cfg, D, dtype, rng, *, lengths, active, H, interpret):
     cache = _state(cfg, lengths, H, D, MAX_LEN, dtype, rng)
     k_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)) * 3, dtype)
     v_new = jnp.asarray(rng.standard_normal((len(lengths), H, D)), dtype)
@@ -122,6 +129,34 @@ def test_on_the_gpu_the_kernel_quantizes_millions_of_codes_as_xla_does(
            lengths=lengths, active=np.ones(256, bool), H=8, interpret=False)  # fmt: skip
 
 
+# kivi2-mix's parts with R = 64 and 4 heavy slots, so that the slots fill within MAX_LEN
+MIXED = dataclasses.replace(kivi_jax.KIVI2_MIX, residual_length=64, heavy_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "interpret",
+    [
+        pytest.param(True, id="interpreted"),
+        pytest.param(False, id="gpu", marks=[pytest.mark.gpu, needs_gpu]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_kernel_appends_to_a_mixed_state_what_the_xla_append_does(
+    monkeypatch, dtype, interpret
+):
+    # 4 sinks, 16 fine key channels, heavy tokens by ERROR, G = 32, R = 64. Rows: empty, a
+    # sink arriving, the first key group completing (its sinks read as token 4), the first
+    # value leaving (a sink: no candidate), the first candidate, a group completing as a
+    # value leaves, the heavy slots full (inactive, active), the last slot, full
+    G, R = MIXED.group_size, MIXED.residual_length
+    lengths = np.array([0, 3, G - 1, R, R + 4, R + 3 * G - 1, 200, 201, MAX_LEN - 1, MAX_LEN])
+    active = np.array([True] * 6 + [False] + [True] * 3)
+    cache = kivi_jax.init_cache(MIXED, batch=1, max_len=64, num_kv_heads=1, head_dim=64)
+    assert kc._append_kernel_supports(cache)
+    _check_config(monkeypatch, MIXED, 64, dtype, np.random.default_rng(7), lengths=lengths,
+                  active=active, H=2, interpret=interpret)  # fmt: skip
+
+
 def test_the_kernel_is_used_only_on_a_gpu():
     cache = kivi_jax.init_cache(
         kivi_jax.KIVI2, batch=1, max_len=64, num_kv_heads=1, head_dim=64, dtype=jnp.float32
@@ -142,3 +177,25 @@ def test_generate_with_the_kernel_gives_the_tokens_of_the_xla_append(monkeypatch
     run = lambda: kivi_jax.generate(params, tokens, lengths=lengths, max_new_tokens=40)
     want, got = _both_ways(monkeypatch, run, interpret=True)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "interpret",
+    [
+        pytest.param(True, id="interpreted"),
+        pytest.param(False, id="gpu", marks=[pytest.mark.gpu, needs_gpu]),
+    ],
+)
+def test_the_heavy_merge_kernel_keeps_the_slots_the_xla_merge_keeps(interpret):
+    from kivi_jax.pallas_kernels.append.gpu import heavy_merge_kernel
+    from test_cache_mixed import _heavy_slots
+
+    side, c = _heavy_slots(np.random.default_rng(2), 32, 2, 4, 64)
+    want = kc._merge_one_heavy(side, c["k"], c["v"], c["pos"], c["score"], c["valid"], 4)
+    fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
+    score = jnp.where(jnp.isnan(c["score"]), jnp.inf, c["score"])[:, :, 0]
+    got = heavy_merge_kernel(
+        *(getattr(side, f) for f in fields), c["valid"][:, 0, 0].astype(jnp.int32),
+        c["pos"][:, 0, 0], score, c["k"][:, :, 0], c["v"][:, :, 0], interpret=interpret,
+    )  # fmt: skip
+    _assert_same_state(dict(zip(fields, got, strict=True)), {f: want[f] for f in fields})

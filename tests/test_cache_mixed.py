@@ -237,3 +237,50 @@ def test_a_jitted_mixed_append_does_not_copy_the_cache():
 
     small = scratch_bytes(4096)
     assert small == scratch_bytes(32768)  # a step's scratch does not grow with the capacity
+
+
+def test_the_widest_channels_are_top_ks_in_the_floats_total_order():
+    # spreads drawn from a few values (ties go to the lower channel), +-0, +-inf and NaNs of
+    # either sign (lax.top_k's order: -NaN < -inf < -0 < +0 < +inf < +NaN)
+    rng = np.random.default_rng(0)
+    pool = np.array([0.0, -0.0, 1.0, 2.0, 3.5, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    for d, f in [(8, 3), (16, 1), (64, 16), (64, 63)]:
+        spread = jnp.asarray(rng.choice(pool, size=(50, d)))
+        is_fine, channels = qz.widest_channels(spread, f)
+        want = jnp.sort(jax.lax.top_k(spread, f)[1], axis=-1)
+        np.testing.assert_array_equal(channels, want)
+        assert bool(jnp.all(jnp.sum(is_fine, axis=-1) == f))
+        np.testing.assert_array_equal(jnp.take_along_axis(is_fine, want, axis=-1), True)
+
+
+def _heavy_slots(rng, batch, heads, n, d):
+    """Heavy slots [batch, heads, n] filled to random counts with sorted positions below 100
+    and scores from {0, 1, 2, +inf} (ties), and candidates at position 100 whose scores tie,
+    beat or lose to the slots' (NaN among them), some not candidates."""
+    pos = np.full((batch, heads, n), -1, np.int32)
+    score = np.full((batch, heads, n), -np.inf, np.float32)
+    hk, hv = np.zeros((2, batch, heads, n, d), np.float32)
+    for b in range(batch):
+        for h in range(heads):
+            c = rng.integers(0, n + 1) if b % 2 else n  # even rows full
+            pos[b, h, :c] = np.sort(rng.choice(100, c, replace=False))
+            score[b, h, :c] = rng.choice([0.0, 1.0, 2.0, np.inf], c)
+            hk[b, h, :c], hv[b, h, :c] = rng.normal(size=(2, c, d))
+    side = kj.MixedState(None, None, None, None, *map(jnp.asarray, (hk, hv, pos, score)), None)
+    cand = dict(
+        k=jnp.asarray(rng.normal(size=(batch, heads, 1, d)), jnp.float32),
+        v=jnp.asarray(rng.normal(size=(batch, heads, 1, d)), jnp.float32),
+        pos=jnp.full((batch, heads, 1), 100, jnp.int32),
+        score=jnp.asarray(rng.choice([0.0, 1.0, 2.0, 3.0, np.inf, np.nan], (batch, heads, 1))),
+        valid=jnp.asarray(np.repeat(rng.random((batch, 1, 1)) < 0.8, heads, axis=1)),
+    )
+    return side, cand
+
+
+def test_a_decode_steps_heavy_merge_keeps_the_slots_the_sort_keeps():
+    from kivi_jax import cache as kc
+
+    side, c = _heavy_slots(np.random.default_rng(1), 64, 2, 4, 3)
+    args = (side, c["k"], c["v"], c["pos"], c["score"], c["valid"], 4)
+    want, got = kc._merge_heavy(*args), kc._merge_one_heavy(*args)
+    assert tree_equal(got, want)

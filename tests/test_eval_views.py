@@ -53,3 +53,22 @@ def test_per_channel_grouping_of_a_partial_group_uses_only_real_tokens():
     x = jnp.arange(6.0).reshape(1, 6, 1, 1) * jnp.ones((1, 1, 1, 4))
     out = views.quantize_tokens(x, 2, 4, Grouping.PER_CHANNEL, jnp.float32)
     np.testing.assert_array_equal(out[0, 4:, 0, 0], [4.0, 5.0])  # exact: range [4, 5]
+
+
+def test_shared_prefix_view_reads_the_prefix_as_its_sealed_pages_hold_it(rng):
+    """Queries from the split on see the prefix's keys and values as a cache holding R tokens
+    past it stores them (quantized: what the engine's shared pages hold), the rest in full
+    precision; queries before the split see full precision."""
+    config, seq, split = kj.KiviConfig(group_size=4, residual_length=8), 20, 8
+    k, v = random_kv(rng, 1, seq, 2, 8, outliers=True)
+    q = jnp.asarray(rng.normal(size=(1, seq, 4, 8)), jnp.float32)
+    out = views.SharedPrefixAttention(config, split)(q, k, v, jnp.array([seq]))
+    full = views.FullAttention()(q, k, v, jnp.array([seq]))
+    np.testing.assert_array_equal(out[:, :split], full[:, :split])
+    cache = kj.init_cache(config, batch=1, max_len=seq, num_kv_heads=2, head_dim=8,
+                          dtype=jnp.float32)  # fmt: skip
+    kq, vq = kj.dequantize(kj.prefill(cache, k[:, : split + 8], v[:, : split + 8]))
+    seen_k = jnp.concatenate([kq[:, :split], k[:, split:]], axis=1)
+    seen_v = jnp.concatenate([vq[:, :split], v[:, split:]], axis=1)
+    expected = views.FullAttention()(q, seen_k, seen_v, jnp.array([seq]))
+    np.testing.assert_allclose(out[:, split:], expected[:, split:], rtol=1e-5, atol=1e-5)

@@ -549,6 +549,12 @@ def test_metrics_move(server):
     assert after["kivi_queue_depth"] == 0
     assert 0 <= after["kivi_kv_bytes_in_use"] <= after["kivi_kv_bytes_allocated"]
     assert after["kivi_kv_bytes_allocated"] > 0
+    assert 0 <= after["kivi_pages_used"] <= after["kivi_pages_total"]
+    assert after["kivi_preemptions_total"] == 0
+    assert after["kivi_prefill_calls_total"] == before["kivi_prefill_calls_total"] + 1
+    assert after["kivi_prompt_tokens_computed_total"] == (
+        before["kivi_prompt_tokens_computed_total"] + r.usage.prompt_tokens
+    )
     bad = 'kivi_requests_total{outcome="invalid"}'
     _http(server.base, "/v1/completions", {"prompt": ""})
     assert _metrics(server.base)[bad] == after[bad] + 1
@@ -780,11 +786,14 @@ def test_cli_options_state_their_defaults():
     assert {a.option_strings[0] for a in actions} >= {
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
         "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
-        "--no-compilation-cache",
+        "--no-compilation-cache", "--kv-bytes", "--page-size", "--prefix-sharing",
     }  # fmt: skip
     for a in actions:
         if a.dest == "no_compilation_cache":  # a switch: its default is the cache on
             assert "(default: the cache is on)" in a.help
+            continue
+        if a.dest == "prefix_sharing":  # a switch, off unless given
+            assert "(default: off)" in a.help
             continue
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default
         expected = "(default: " if a.default is None else f"(default: {shown})"

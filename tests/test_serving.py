@@ -10,6 +10,7 @@ import asyncio
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_model import tiny_params
@@ -17,8 +18,7 @@ from tiny_model import tiny_params
 import kivi_jax
 from kivi_jax.generate import Sampling, generate
 from kivi_jax.memory import memory_report
-from kivi_jax.serving import Engine, EngineError, QueueFullError
-from kivi_jax.serving import engine as engine_module
+from kivi_jax.serving import Engine, EngineError, QueueFullError, programs
 
 compiled: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -123,7 +123,10 @@ def test_stop_ids_and_eos_end_a_request_with_the_stop_token_last(params):
 
 
 def test_no_compilation_over_50_mixed_requests_after_warmup(params):
-    e = engine(params, "kivi2", max_queue=64)  # the programs of the tests above
+    """With one page of 128 tokens for the two slots: requests are preempted and restored."""
+    sized = engine(params, "kivi2").stats()
+    one_page = sized.kv_slot_bytes + sized.kv_pool_bytes // 2
+    e = engine(params, "kivi2", max_queue=64, kv_bytes=one_page)  # the programs of the tests above
     e.warmup()
     before = len(compiled)
     rng = np.random.default_rng(0)
@@ -142,7 +145,7 @@ def test_no_compilation_over_50_mixed_requests_after_warmup(params):
     while e.step():
         pass
     assert all(h.finish_reason == "length" for h in handles)
-    assert compiled[before:] == []
+    assert compiled[before:] == [] and e.stats().preemptions > 0
 
 
 def test_penalties_and_logprobs_are_per_row_values(params):
@@ -232,8 +235,11 @@ def test_submit_rejects_what_cannot_run(params):
         (dict(slots=0), "slots must be a positive int"),
         (dict(max_len=1000), "exceeds the model's context"),
         (dict(prefill_chunk=0), "prefill_chunk must be a positive int"),
+        (dict(prefill_budget=-1), "prefill_budget must be a positive int"),
         (dict(kv="kivi3"), "unknown kv"),
         (dict(eos_id=999), "eos_id 999 is outside"),
+        (dict(kv="kivi2-mix", prefix_sharing=True), "not supported for a mixed-precision state"),
+        (dict(page_size=96), "multiple of the residual length R=128"),
     ],
 )
 def test_bad_engine_arguments(params, kw, message):
@@ -260,14 +266,14 @@ def test_background_thread_and_async_iteration(params):
 
 def test_a_fault_in_one_requests_prefill_ends_that_request_only(params, monkeypatch):
     MARK = 261  # a prompt starting with it fails in its prefill (prompt() draws ids < 260)
-    real = engine_module._prefill_batch
+    real = programs.prefill_batch
 
     def prefill(params, tokens, lengths, **kw):
         if (tokens[:, 0] == MARK).any():
             raise RuntimeError("prefill fault")
         return real(params, tokens, lengths, **kw)
 
-    monkeypatch.setattr(engine_module, "_prefill_batch", prefill)
+    monkeypatch.setattr(programs, "prefill_batch", prefill)
     e = engine(params, "full")
     ok, bad = prompt(20, seed=6), [MARK, *prompt(9, seed=7)]
     h_ok = e.submit(ok, max_new_tokens=10)
@@ -296,7 +302,7 @@ def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(p
     two prefill calls, each request with the tokens of its prompt alone; a prompt arriving
     alone then runs at its own width (one row). prompt_tokens_computed counts the real
     tokens, not the padding."""
-    e = engine(params, "kivi2", slots=8, prefill_chunk=256)
+    e = engine(params, "kivi2", slots=8, prefill_chunk=256, prefill_budget=256)  # a call a step
     lengths = [5, 60, 17, 33, 48, 9, 64, 21]
     ids = [prompt(n, seed=30 + i) for i, n in enumerate(lengths)]
     h = [e.submit(x, max_new_tokens=5) for x in ids]
@@ -313,6 +319,23 @@ def test_short_prompts_arriving_together_are_prefilled_as_the_rows_of_one_call(p
     assert late.result() == alone(params, "kivi2", prompt(70, seed=40), 5)
     assert e.stats().prefill_calls == 3
     assert e.stats().prompt_tokens_computed == sum(lengths) + 70
+
+
+@pytest.mark.parametrize("chunks_a_step, live_after_two_steps", [(1, 1), (4, 4)])
+def test_a_step_prefills_up_to_its_budget(params, chunks_a_step, live_after_two_steps):
+    """Four prompts of two chunks each: with a budget of one chunk a step the second prompt
+    has not started after two steps; with four chunks a step every slot is filled by then.
+    Either way each request gets the tokens of its prompt alone."""
+    e = engine(params, "kivi2", slots=4, prefill_budget=chunks_a_step * CHUNK)
+    ids = [prompt(2 * CHUNK, seed=50 + i) for i in range(4)]
+    h = [e.submit(x, max_new_tokens=12) for x in ids]  # 3 decode calls: none ends in 2 steps
+    e.step()
+    e.step()
+    assert e.stats().live_slots == live_after_two_steps
+    assert e.stats().prefill_calls == 2 * chunks_a_step
+    while e.step():
+        pass
+    assert [x.result() for x in h] == [alone(params, "kivi2", x, 12) for x in ids]
 
 
 def fails_at_call(real, n: int, message: str):
@@ -333,10 +356,8 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
     request waits: the decoding request ends with the fault; the state is rebuilt; the long
     prompt (its own one-row state) and the waiting request then get the tokens of their
     prompts alone."""
-    monkeypatch.setattr(
-        engine_module, "_decode", fails_at_call(engine_module._decode, 2, "decode fault")
-    )
-    e = engine(params, "full")
+    monkeypatch.setattr(programs, "decode", fails_at_call(programs.decode, 2, "decode fault"))
+    e = engine(params, "full", prefill_budget=CHUNK)  # one chunk a step
     ids = {"running": prompt(20, seed=8), "long": prompt(70, seed=9), "queued": prompt(9, 10)}
     running = e.submit(ids["running"], max_new_tokens=30)
     e.step()  # running admitted, decode call 1
@@ -354,9 +375,7 @@ def test_a_decode_fault_ends_its_requests_and_the_engine_serves_on(params, monke
 def test_a_reset_fault_ends_the_states_requests_and_the_engine_serves_on(params, monkeypatch):
     """Freeing a finished request's slot fails (the donated state is lost): the requests the
     state held end with the fault, the state is rebuilt, and the next request is served."""
-    monkeypatch.setattr(
-        engine_module, "_reset", fails_at_call(engine_module._reset, 1, "reset fault")
-    )
+    monkeypatch.setattr(programs, "reset", fails_at_call(programs.reset, 1, "reset fault"))
     e = engine(params, "full")
     short, long = (
         e.submit(prompt(9, seed=13), max_new_tokens=2),
@@ -409,7 +428,7 @@ def test_an_engine_that_cannot_rebuild_its_state_stops(params, monkeypatch):
             raise MemoryError("no device memory left")
         allocate()
 
-    monkeypatch.setattr(engine_module, "_decode", decode)
+    monkeypatch.setattr(programs, "decode", decode)
     monkeypatch.setattr(e, "_allocate", no_memory)
     running, waiting = (e.submit(prompt(10, seed=s), max_new_tokens=5) for s in (11, 12))
     e.start()
@@ -430,14 +449,14 @@ def test_submit_and_stats_never_wait_on_a_device_dispatch(params, monkeypatch):
     """A slot's reset (a jitted dispatch) that takes long: submit() and stats() answer
     meanwhile (the engine's lock is not held across dispatches)."""
     entered, release = threading.Event(), threading.Event()
-    real = engine_module._reset
+    real = programs.reset
 
     def slow_reset(*args, **kwargs):
         entered.set()
         release.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "_reset", slow_reset)
+    monkeypatch.setattr(programs, "reset", slow_reset)
     e = engine(params, "full")
     e.submit(prompt(10, seed=14), max_new_tokens=2)
     stepping = threading.Thread(target=lambda: [None for _ in iter(e.step, False)])
@@ -458,18 +477,23 @@ def test_memory_report_counts_the_slots_and_the_prefill_scratch(params):
     s = e.stats()  # counted before the state is allocated (at the first step)
     h = e.submit(prompt(20, seed=0), max_new_tokens=4)
     e.step()
-    slots = memory_report(e._state.caches).total_bytes
+    state = memory_report(e._layout.layers(e._state.caches, e._pool, e._pages.table))
+    assert (s.kv_slot_bytes, s.kv_pool_bytes) == (state.slot_bytes, state.pool_bytes)
+    # without kv_bytes: each slot's max_len tokens of pages (one page of 128 here)
+    assert s.pages_total == 2 and state.pool_bytes == state.codes_bytes + state.scales_zeros_bytes
+    slots = state.total_bytes
     assert s.kv_bytes_allocated == slots + s.prefill_scratch_bytes
     # the scratch: each layer's full-precision K and V of max_len (a chunk multiple) tokens,
     # and the chunked prompt's one-row state
     c = params.config
     fp = c.num_layers * 2 * 128 * c.num_kv_heads * c.head_dim * 4
     assert s.prefill_scratch_bytes > fp
-    assert e.stats().kv_bytes_in_use == slots // 2
+    # one slot's part; no page: its 23 tokens at most complete no key group of 32
+    assert e.stats().kv_bytes_in_use == state.slot_bytes // 2 and e.stats().pages_used == 0
     # a slot's share of the memory plan: its KV state, the penalties' token counts over the
     # vocabulary (int32 generated + bool prompted: 5 bytes an id) and a few counters
     V = c.vocab_size
-    assert slots // 2 + 5 * V < e.memory_plan.slot < slots // 2 + 5 * V + 200
+    assert slots // 2 + 5 * V < e.memory_plan.slot < slots // 2 + 5 * V + 200  # and its page
     while e.step():
         pass
     assert h.done and e.stats().kv_bytes_in_use == 0
@@ -500,17 +524,17 @@ def test_a_chunked_prompt_gives_the_logits_and_state_of_one_prefill(params):
     n = 70
     ids = np.zeros((1, 128), np.int32)
     ids[0, :n] = prompt(n, seed=20)
-    (whole,), (states,) = engine_module._prefill_batch(
-        params, ids, np.array([n], np.int32), kv=engine_module.resolve_kv("kivi2"), max_len=128
+    (whole,), (states,) = programs.prefill_batch(
+        params, ids, np.array([n], np.int32), kv=kivi_jax.KIVI2, max_len=128
     )
     e = engine(params, "kivi2")
     e._allocate()
-    caches, scratch = engine_module._empty_row(params, kv=e.kv, max_len=128), e._scratch
+    caches, scratch = programs.empty_row(params, kv=e.kv, max_len=128), e._scratch
     for offset in range(0, n, CHUNK):
         part = ids[:, offset : min(offset + CHUNK, n)]
         tokens = np.zeros((1, CHUNK), np.int32)
         tokens[:, : part.shape[1]] = part
-        logits, scratch, caches = engine_module._prefill_chunk(
+        logits, scratch, caches = programs.prefill_chunk(
             params, tokens, np.int32(offset), np.array([part.shape[1]], np.int32), scratch, caches
         )
     for chunked, one in zip(caches, states, strict=True):
@@ -534,9 +558,9 @@ def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
     assert e._state is None  # nothing allocated yet
     before = len(compiled)
     e.warmup()  # allocates the state (small programs of its own) and compiles nothing else
-    names = ["_prefill_batch", "prefill_chunk", "_empty_row", "_insert_row", "_reset", "_decode"]
-    programs = {f"jit({name})" for name in names}
-    assert programs.isdisjoint(compiled[before:]) and e.memory_plan == plan
+    names = ["prefill_batch", "prefill_chunk", "empty_row", "insert_row", "reset", "decode"]
+    jitted = {f"jit({name})" for name in names}
+    assert jitted.isdisjoint(compiled[before:]) and e.memory_plan == plan
     h = e.submit(prompt(20, seed=1), max_new_tokens=5)
     while e.step():
         pass
@@ -564,3 +588,75 @@ def test_warmup_on_a_running_engine_runs_nothing_and_loses_no_token(params):
     while e.step():
         pass
     assert [h.result() for h in hs] == [alone(params, "kivi2", x, 12) for x in ids]
+
+
+def test_preempted_requests_stream_on_with_the_tokens_of_their_prompt_alone(params):
+    """A pool of 5 pages of 32 tokens for 3 slots whose requests each grow to 3 pages: decode
+    calls run out of pages, the most recently admitted request goes to host memory and comes
+    back; every request's greedy tokens still equal generate's alone."""
+    kv = kivi_jax.KiviConfig(residual_length=32)
+    sized = engine(params, kv, slots=3, page_size=32).stats()
+    slot, page = sized.kv_slot_bytes // 3, sized.kv_pool_bytes // sized.pages_total
+    e = engine(params, kv, slots=3, page_size=32, kv_bytes=3 * slot + 5 * page)
+    assert e.stats().pages_total == 5
+    spec = [(25, 60), (30, 55), (45, 50), (20, 60)]  # the third prefilled in two chunks
+    ids = [prompt(n, seed=20 + i) for i, (n, _) in enumerate(spec)]
+    handles = [e.submit(x, max_new_tokens=new) for x, (_, new) in zip(ids, spec, strict=True)]
+    most = 0
+    while e.step():
+        most = max(most, e.stats().pages_used)
+    stats = e.stats()
+    assert stats.preemptions > 0 and most <= 5 and stats.pages_used == 0
+    for h, x, (_, new) in zip(handles, ids, spec, strict=True):
+        assert h.finish_reason == "length"
+        assert h.result() == alone(params, kv, x, new)
+
+
+def test_requests_shorter_than_max_len_run_several_times_more_at_once():
+    """bfloat16 state, max_len 2048, R 128 and the memory 8 slots reserve at max_len: 32
+    requests of 40-80 prompt tokens + 16 new run at least 24 at a time (each holds one page
+    and its ring), not 8."""
+    params = tiny_params(seed=0, dtype=jnp.bfloat16, tie_embeddings=False, max_context=2048)
+    c = params.config
+    eight = kivi_jax.init_cache(kivi_jax.KIVI2, batch=8, max_len=2048, head_dim=c.head_dim,
+                                num_kv_heads=c.num_kv_heads, dtype=jnp.bfloat16,
+                                num_layers=c.num_layers)  # fmt: skip
+    budget = memory_report(eight).total_bytes
+    e = Engine(params, kv="kivi2", slots=24, max_len=2048, kv_bytes=budget, prefill_chunk=2048,
+               max_queue=32)  # fmt: skip
+    s = e.stats()
+    assert s.kv_slot_bytes + s.kv_pool_bytes <= budget
+    rng = np.random.default_rng(1)
+    handles = [e.submit(prompt(int(rng.integers(40, 81)), seed=i), max_new_tokens=16)
+               for i in range(32)]  # fmt: skip
+    most = 0
+    while e.step():
+        most = max(most, e.stats().live_slots)
+    assert most >= 24
+    assert all(h.finish_reason == "length" and len(h.result()) == 16 for h in handles)
+
+
+@pytest.mark.parametrize("kv", ["kivi2", "full"])
+def test_requests_sharing_a_prefix_compute_it_once(kv):
+    """16 requests whose prompts share their first 600 tokens: each after the first takes the
+    prefix's sealed pages and computes only the rest, so the prompt tokens computed are at
+    most half of 16 whole prompts'. KIVI-2: 3 pages of 128 (384 tokens, leaving R = 128 after
+    them); the rest attends to the prefix's quantized keys and values. Full precision: 4 pages
+    (512 tokens), read back exactly, so every request's tokens are generate's alone."""
+    params = tiny_params(seed=0, tie_embeddings=False, max_context=1024)
+    e = Engine(params, kv=kv, slots=4, max_len=768, prefill_chunk=128, decode_steps=4,
+               prefix_sharing=True)  # fmt: skip
+    prefix = prompt(600, seed=40)
+    ids = [prefix + prompt(20, seed=41 + i) for i in range(16)]
+    handles = [e.submit(x, max_new_tokens=4) for x in ids]
+    while e.step():
+        pass
+    s = e.stats()
+    assert all(h.finish_reason == "length" and len(h.result()) == 4 for h in handles)
+    shared = 384 if kv == "kivi2" else 512
+    assert s.prefix_hit_tokens == 15 * shared
+    assert s.prompt_tokens == 16 * 620 and 2 * s.prompt_tokens_computed <= s.prompt_tokens
+    assert s.pages_used == 0
+    if kv == "full":
+        for h, x in list(zip(handles, ids, strict=True))[:3]:
+            assert h.result() == alone(params, kv, x, 4)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +25,13 @@ from kivi_jax.weights import (
     quantize_weights,
     weights_label,
 )
+
+
+def quant(name: str):
+    """A GGUF tensor type: the gguf package is imported by the GGUF tests only (the GPU
+    machine has none; the GPU test below needs none)."""
+    return pytest.importorskip("gguf").GGMLQuantizationType[name]
+
 
 TOKENS = jnp.asarray([[5, 40, 41, 100, 7, 260, 3, 9, 77, 12, 13, 14]], jnp.int32)
 LINEAR = ("w_qkv", "wo", "w_gate_up", "w_down")
@@ -106,7 +112,7 @@ def test_model_on_quantized_weights(bits):
 )
 def test_gguf_blocks_kept_as_stored(tmp_path, kind, qtype):
     path = str(tmp_path / f"{kind}.gguf")
-    write_gguf(path, tiny_params(), quant=gguf.GGMLQuantizationType[kind])
+    write_gguf(path, tiny_params(), quant=quant(kind))
     stored = kivi_jax.load_model(path, dtype=jnp.float32, weights="gguf").params
     floats = kivi_jax.load_model(path, dtype=jnp.float32).params  # gguf's own dequantization
     assert weights_label(stored) == jnp.dtype(qtype).name
@@ -131,7 +137,7 @@ def test_gguf_float_tensors_stay_float(tmp_path):
 @pytest.mark.parametrize("weights", ["int4", "gguf"])
 def test_saved_quantized_model_round_trip(tmp_path, weights):
     src = str(tmp_path / "tiny.gguf")
-    write_gguf(src, tiny_params(tie_embeddings=False), quant=gguf.GGMLQuantizationType.Q4_1)
+    write_gguf(src, tiny_params(tie_embeddings=False), quant=quant("Q4_1"))
     model = kivi_jax.load_model(src, dtype=jnp.float32, weights=weights)
     kivi_jax.save_model(model, tmp_path / "saved")
     again = kivi_jax.load_model(tmp_path / "saved", dtype=jnp.float32)
@@ -155,7 +161,7 @@ def test_generate_cli_with_int8_weights(tmp_path, capsys):
     from kivi_jax.cli import main
 
     path = str(tmp_path / "q.gguf")
-    write_gguf(path, tiny_params(), quant=gguf.GGMLQuantizationType.Q4_1)
+    write_gguf(path, tiny_params(), quant=quant("Q4_1"))
     args = ["the tent", "--model", path, "--max-new-tokens", "3", "--no-chat"]
     assert main([*args, "--weights", "int8"]) == 0
     assert "float32, int8 weights" in capsys.readouterr().err
@@ -222,9 +228,10 @@ def test_decode_step_scratch_is_one_matrix_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [8, 4])
-def test_decode_step_dequantizes_into_the_gemm_on_the_gpu(bits):
-    """No full-precision copy of a weight per step: the compiled step's scratch is far below
-    its smallest dequantized matrix, and no fusion outside a GEMM outputs a bf16 weight."""
+def test_decode_step_reads_the_quantized_weights_in_the_kernel_on_the_gpu(bits):
+    """No full-precision copy of a weight per step: every linear layer runs the fused kernel
+    (pallas_kernels/matmul), the compiled step's scratch is far below its smallest dequantized
+    matrix, and no fusion outputs a bf16 weight."""
     import re
 
     from kivi_jax.models.config import LlamaConfig
@@ -245,7 +252,9 @@ def test_decode_step_dequantizes_into_the_gemm_on_the_gpu(bits):
     assert compiled.memory_analysis().temp_size_in_bytes < smallest / 4
     shapes = {f"bf16[{a},{b}]" for a, b in [(2048, 3072), (2048, 2048), (2048, 16384),
                                              (8192, 2048), (2048, 4096)]}  # fmt: skip
-    entry = compiled.as_text().split("\nENTRY", 1)[1]
+    text = compiled.as_text()
+    assert text.count("quantized_matmul") >= 2 * 4 + 1  # 4 linear layers a block + lm_head
+    entry = text.split("\nENTRY", 1)[1]
     for line in entry.splitlines():
         m = re.match(r"\s*%\S+ = (bf16\[[0-9,]+\])", line)
         assert not (m and m.group(1) in shapes and "parameter(" not in line), line
@@ -256,7 +265,7 @@ def test_int4_of_a_gguf_keeps_its_block_grid_by_default(tmp_path):
     come back on their own grid (to float32 rounding), where groups of 128 would round each
     weight a second time."""
     path = str(tmp_path / "Q4_1.gguf")
-    write_gguf(path, tiny_params(), quant=gguf.GGMLQuantizationType.Q4_1)
+    write_gguf(path, tiny_params(), quant=quant("Q4_1"))
     floats = kivi_jax.load_model(path, dtype=jnp.float32).params
     int4 = kivi_jax.load_model(path, dtype=jnp.float32, weights="int4").params
     coarse = kivi_jax.load_model(path, dtype=jnp.float32, weights="int4", weight_group_size=128)

@@ -21,6 +21,10 @@ causal, query head n reading KV head n // (N // H), padded keys (t >= lengths[b]
 - `FakeQuantAttention(k_grouping, v_grouping, bits)`: the paper's Table 1 fake quantization:
   the whole sequence's K and V quantize-dequantized along one axis in groups of G, no residual.
 - `FullAttention()`: no quantization.
+- `SharedPrefixAttention(config, split)`: a prompt whose first `split` tokens come from another
+  request's sealed pages (the serving engine's prefix sharing): queries at `split` and after
+  see those tokens' keys and values as the pages hold them (quantized), everything else in
+  full precision, as the engine's chunked prefill of the rest computes them.
 """
 
 from __future__ import annotations
@@ -220,3 +224,27 @@ class FullAttention:
     def __call__(self, q, k, v, lengths):
         everywhere = jnp.ones((q.shape[1], q.shape[1]), bool)
         return _two_candidate_attention(q, k, k, v, v, everywhere, everywhere, lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixAttention:
+    """Prompt attention of a prompt whose tokens [0, split) are a shared prefix (module doc):
+    split a multiple of the group size (a page boundary)."""
+
+    config: KiviConfig
+    split: int
+    cache_dtype: object = jnp.float32
+
+    def __call__(self, q, k, v, lengths):
+        cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
+        if self.split % cfg.group_size:
+            raise ValueError(f"split={self.split} must be a multiple of G={cfg.group_size}")
+        k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
+        g = cfg.group_size
+        kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
+        vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
+        kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
+        vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
+        i, t = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+        shared = (i >= self.split) & (t < self.split)
+        return _two_candidate_attention(q, kq, k, vq, v, shared, shared, lengths)

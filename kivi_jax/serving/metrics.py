@@ -12,7 +12,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 RATE_WINDOW_S = 10.0
@@ -47,8 +47,19 @@ class _Gauges:
             ("kivi_slots_free", "slots free", s.free_slots),
             ("kivi_kv_bytes_in_use", "KV-state bytes held by live requests", s.kv_bytes_in_use),
             ("kivi_kv_bytes_allocated", "KV-state bytes allocated", s.kv_bytes_allocated),
+            ("kivi_pages_total", "pages of the KV pool", s.pages_total),
+            ("kivi_pages_used", "pages of the KV pool held by requests", s.pages_used),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("kivi_preemptions", "requests moved to host memory when pages ran out",
+             s.preemptions),
+            ("kivi_prefill_calls", "prefill calls (batches of prompts and chunks)",
+             s.prefill_calls),
+            ("kivi_prompt_tokens_computed", "prompt tokens run through the model",
+             s.prompt_tokens_computed),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:

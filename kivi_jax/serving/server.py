@@ -668,7 +668,29 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=2048,
         metavar="L",
-        help="tokens a slot holds: prompt + answer (default: 2048)",
+        help="tokens a request holds: prompt + answer (default: 2048)",
+    )
+    p.add_argument(
+        "--kv-bytes",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="bytes (1e9) of the whole KV state, the slots' rings and the page pool together; "
+        "the pool is what the slots leave (default: every slot's max-len tokens of pages)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=128,
+        metavar="P",
+        help="tokens a page of the KV pool holds, a multiple of R (default: 128)",
+    )
+    p.add_argument(
+        "--prefix-sharing",
+        action="store_true",
+        help="prompts that start with another's sealed pages take them and prefill only the "
+        "rest, attending to the prefix's quantized keys and values (+14.5%% perplexity with "
+        "kivi2, +0.3%% with kivi4: docs/serving.md) (default: off)",
     )
     p.add_argument(
         "--max-queue",
@@ -682,7 +704,17 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         metavar="C",
-        help="prompt tokens prefilled between two decode steps (default: 256)",
+        help="the width of a prefill call: prompts up to C tokens are prefilled whole (several "
+        "as the rows of one call), longer ones in chunks of C (default: 256)",
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prompt tokens prefilled per scheduler step while requests wait and slots are "
+        "free; more fills the slots sooner, at a longer time per output token meanwhile "
+        "(default: 8 x the chunk, about one chunk per decode step)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -717,7 +749,10 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model_from_args(args, mesh=mesh)
         engine = Engine(
             model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
-            prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+            prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+            max_queue=args.max_queue,
+            kv_bytes=None if args.kv_bytes is None else int(args.kv_bytes * 1e9),
+            page_size=args.page_size, prefix_sharing=args.prefix_sharing,
             eos_id=model.tokenizer.eos_id, mesh=mesh,
             memory_budget=None if args.memory_budget is None else int(args.memory_budget * 1e9),
         )  # fmt: skip

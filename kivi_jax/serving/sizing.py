@@ -36,6 +36,8 @@ class MemoryPlan:
     programs: the largest temporaries of the engine's compiled programs (0 before they are
       compiled).
     slots: rows of the state on the device.
+    pool: the page pool's part on the device where kv_bytes sizes it (else each slot's pages
+      are in `slot`).
     reserve: kept free: RESERVE_SHARE of the limit, at most RESERVE_BYTES.
     """
 
@@ -45,6 +47,7 @@ class MemoryPlan:
     scratch: int
     programs: int
     slots: int
+    pool: int = 0
 
     @property
     def reserve(self) -> int:
@@ -52,7 +55,8 @@ class MemoryPlan:
 
     @property
     def needed(self) -> int:
-        return self.in_use + self.slots * self.slot + self.scratch + self.programs + self.reserve
+        fixed = self.in_use + self.pool + self.scratch + self.programs + self.reserve
+        return fixed + self.slots * self.slot
 
     @property
     def fits(self) -> bool:
@@ -62,14 +66,16 @@ class MemoryPlan:
         """Slots that fit the limit beside everything else (0 if none does)."""
         if self.limit is None:
             raise ValueError("no memory limit is known: give the engine a memory_budget")
-        rest = self.limit - (self.in_use + self.scratch + self.programs + self.reserve)
+        rest = self.limit - (self.in_use + self.pool + self.scratch + self.programs + self.reserve)
         return max(rest // self.slot, 0)
 
     def describe(self) -> str:
         gb = _size
         limit = "no limit known" if self.limit is None else f"limit {gb(self.limit)}"
         return (
-            f"{self.slots} slots x {gb(self.slot)} + in use {gb(self.in_use)} + prefill "
+            f"{self.slots} slots x {gb(self.slot)} + "
+            + (f"page pool {gb(self.pool)} + " if self.pool else "")
+            + f"in use {gb(self.in_use)} + prefill "
             f"scratch {gb(self.scratch)} + programs' temporaries {gb(self.programs)} + reserve "
             f"{gb(self.reserve)} = {gb(self.needed)} against the {limit}"
         )

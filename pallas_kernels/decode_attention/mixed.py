@@ -58,8 +58,11 @@ def fine_correction(qs, k_scale, fine_codes, fine_channels, *, k_bits: int, grou
     w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
     B, H, n_rep, NG, F = w.shape
     lo = quantization.unpack_codes(fine_codes, k_bits, axis=2).astype(jnp.float32)
-    lo = lo.reshape(B, H, NG, group_size, F)
-    return jnp.einsum("bhrgf,bhgjf->bhrgj", w, lo, precision=_HI).reshape(B, H, n_rep, -1)
+    lo = lo.reshape(B, H, 1, NG, group_size, F)
+    # A sum over the minor axis F, made in the logits' layout (a dot would put the group axis
+    # first: a transpose of [B, H, n_rep, C] after it).
+    corr = jnp.sum(w[:, :, :, :, None] * lo, axis=-1)  # [B, H, n_rep, NG, G]
+    return corr.reshape(B, H, n_rep, -1)
 
 
 def fine_bound(qs, k_scale, fine_channels, *, k_bits: int):
@@ -71,13 +74,6 @@ def fine_bound(qs, k_scale, fine_channels, *, k_bits: int):
 def ring_logits(qs, k_residual):
     """The base-2 logits of the ring's keys: [B, H, n_rep, R] (slot order)."""
     return jnp.einsum("bhrd,bhsd->bhrs", qs, k_residual.astype(jnp.float32), precision=_HI)
-
-
-def _ring_tokens(lengths, residual_length: int):
-    """The token at each ring slot, pv + (slot - pv) mod R: [B, R] (past l for empty slots)."""
-    pv = jnp.maximum(lengths - residual_length, 0)[:, None]
-    slot = jnp.arange(residual_length)
-    return pv + (slot - pv) % residual_length
 
 
 def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
@@ -119,8 +115,9 @@ def edit_logits(
     (module doc): fine channels added (maxima raised by their bound), the ring's exact logits
     in [Pv, Qk) with sliding keys, -inf at the positions of `extras` (`extra_entries`) in use.
     qs: f32 [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep
-    unused)."""
-    B, H, slots, C = scores.shape
+    unused). Every edit is a select over the logits by token position (one fused pass over
+    them, no scatter)."""
+    *_, slots, C = scores.shape
     n_rep = qs.shape[2]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, slots - n_rep)] + [(0, 0)] * (x.ndim - 3))
     if side.fine_codes is not None:
@@ -131,17 +128,18 @@ def edit_logits(
         scores = scores + pad(corr)
         bound = fine_bound(qs, k_scale, side.fine_channels, k_bits=k_bits)
         block_max = block_max + pad(bound)[..., None]
-    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-    if sliding_keys:
-        tok = _ring_tokens(lengths, residual_length)  # [B, R]
-        qk = (lengths - lengths % residual_length)[:, None]
-        at = jnp.where((tok < qk) & (tok < lengths[:, None]), tok, C)[:, None, :]  # C: dropped
-        new = jnp.moveaxis(pad(ring_logits(qs, k_residual)), 2, 3)  # [B, H, R, slots]
-        scores = scores.at[b, h, :, at].set(new, mode="drop")
+    t = jnp.arange(C)  # token positions
+    if sliding_keys:  # token t in [Pv, Qk) reads ring slot t % R
+        R = residual_length
+        pv = jnp.maximum(lengths - R, 0)[:, None, None, None]
+        qk = (lengths - lengths % R)[:, None, None, None]
+        ring = pad(ring_logits(qs, k_residual))  # [B, H, slots, R]
+        by_token = jnp.tile(ring, (1, 1, 1, -(-C // R)))[..., :C]  # [B, H, slots, C]
+        scores = jnp.where((t >= pv) & (t < qk), by_token, scores)
     if extras is not None:
-        _, _, pos, used = extras
-        at = jnp.where(used, pos, C)
-        scores = scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
+        _, _, pos, used = extras  # [B, H, E]
+        replaced = jnp.any(used[..., None] & (pos[..., None] == t), axis=2)  # [B, H, C]
+        scores = jnp.where(replaced[:, :, None], -jnp.inf, scores)
     return scores, block_max
 
 

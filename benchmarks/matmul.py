@@ -1,0 +1,187 @@
+"""Decode matmuls with quantized weights on one GPU: the fused kernel
+(pallas_kernels/matmul/gpu.py) against XLA's dequantize-then-dot (kivi_jax.weights' reference)
+and the bf16 weight's dot, on the linear layers of the Llama-3-8B shape at decode batch sizes.
+
+Per row: GPU time (a CUPTI trace, entries timed round-robin, medians; rows of one call only),
+the byte floor (the weight's stored bytes, scales and zero points included, over the read
+bandwidth measured in the same call) and the percent of it, and the kernels of one run. With
+`--sweep` each kernel row also tries the tilings of TILINGS and reports the best beside the
+default's.
+
+    python benchmarks/matmul.py --out DIR [--batches 1 16 64] [--sweep 16]
+    python benchmarks/matmul.py --smoke --out DIR    # CPU: small shapes, interpreted kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kivi_jax.pallas_kernels.matmul.gpu import Tiling, default_tiling, quantized_matmul, row_step
+from timing import interleaved, kernel_totals, measure_read_bandwidth, traced_by_entry
+
+from kivi_jax.weights import QuantizedWeight, dequantize, quantize_matrix, storage_bits
+
+# Llama-3-8B's linear layers [in, out] (w_qkv, wo, w_gate_up, w_down).
+SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
+SMOKE_SHAPES = {"gate_up": (256, 512)}
+# (format, bits, group): int8 per channel, int4 in groups of 32 (a GGUF's Q4_1) and 128.
+FORMATS = (("int8", 8, None), ("int4 g32", 4, 32), ("int4 g128", 4, 128))
+TILINGS = tuple(
+    Tiling(block_n=bn, splits=s, num_warps=w, num_stages=st)
+    for bn in (64, 128)
+    for s in (1, 2, 4, 8)
+    for w, st in ((4, 3), (8, 5))
+)
+
+
+def stored_bytes(w) -> int:
+    leaves = jax.tree.leaves(w)
+    return sum(x.size * storage_bits(x) // 8 for x in leaves)
+
+
+def _exact(w) -> jax.Array:
+    """The weight in float32 from its stored arrays, without dequantize's rounding to the scale's
+    dtype: what a matmul of it should give."""
+    if not isinstance(w, QuantizedWeight):
+        return w.astype(jnp.float32)
+    k, n = w.shape
+    q = w.qvalue.astype(jnp.float32).reshape(-1, w.group, n)
+    if w.zero_point is not None:
+        q = q - w.zero_point.astype(jnp.float32)[:, None]
+    return (q * w.scale.astype(jnp.float32)[:, None]).reshape(k, n)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        metavar="BATCH",
+        help="at these batches also try every tiling of TILINGS",
+    )
+    p.add_argument("--smoke", action="store_true", help="small shapes, interpreted (no GPU)")
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    bw = max(measure_read_bandwidth(gib=4.0 if gpu else 0.0625).values())
+    print(f"read {bw / 1e9:.0f} GB/s", flush=True)
+
+    def kernel(t=None):
+        return jax.jit(
+            lambda x, w: quantized_matmul(
+                x, w.qvalue, w.scale, w.zero_point, tiling=t, interpret=not gpu
+            )
+        )
+
+    xla = jax.jit(lambda x, w: x @ dequantize(w).astype(x.dtype))
+    rows = []
+    for name, (k, n) in shapes.items():
+        w16 = (jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02).astype(
+            jnp.bfloat16
+        )
+        for b in args.batches:
+            x = jax.random.normal(jax.random.key(1), (b, k), jnp.float32).astype(jnp.bfloat16)
+            runs = {("bf16", "dot", None): (jax.jit(jnp.matmul), (x, w16))}
+            weights = {}
+            for fmt, bits, group in FORMATS:
+                w = quantize_matrix(w16, bits=bits, group_size=group or k)
+                weights[fmt] = w
+                runs[(fmt, "xla", None)] = (xla, (x, w))
+                runs[(fmt, "kernel", None)] = (kernel(), (x, w))
+                if gpu and b in (args.sweep or ()):
+                    for t in TILINGS:
+                        if k % (t.splits * row_step(k, w.group, t.block_k)) == 0:
+                            runs[(fmt, "kernel", t)] = (kernel(t), (x, w))
+            times = interleaved(runs, rounds=args.rounds)[0] if gpu else {}
+            live = {
+                r: v for r, v in runs.items() if r[2] is None and not isinstance(times.get(r), str)
+            }
+            traced = traced_by_entry(live, rounds=1)
+            for (fmt, impl, t), (fn, (xx, w)) in runs.items():
+                if t is not None:
+                    continue
+                ref = xx.astype(jnp.float32) @ _exact(w)
+                sec = times.get((fmt, impl, None))
+                if isinstance(sec, str):  # failed to build or run
+                    print(f"{name} b{b} {fmt} {impl}: {sec}", flush=True)
+                    rows.append(dict(shape=name, k=k, n=n, batch=b, format=fmt, impl=impl,
+                                     error=sec))  # fmt: skip
+                    continue
+                err = jnp.linalg.norm(fn(xx, w).astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+                floor = stored_bytes(w) / bw
+                row = dict(shape=name, k=k, n=n, batch=b, format=fmt, impl=impl,
+                           us=sec and sec * 1e6, floor_us=floor * 1e6,
+                           pct_floor=sec and 100 * floor / sec, rel_err=float(err))  # fmt: skip
+                if (fmt, impl, None) in traced:
+                    kt = kernel_totals(traced[(fmt, impl, None)][0])
+                    row["kernels"] = {nm[:60]: [c, s * 1e6] for nm, (c, s) in kt.items()}
+                if impl == "kernel":
+                    row["tiling"] = str(default_tiling(k, n, w.group))
+                    swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
+                             if (f, i) == (fmt, impl) and t is not None
+                             and isinstance(times.get((f, i, t)), float)}  # fmt: skip
+                    if swept:
+                        best = min(swept, key=swept.get)
+                        row |= dict(best_us=swept[best] * 1e6, best_tiling=str(best))
+                rows.append(row)
+                print(f"{name:8s} b{b:<3d} {fmt:10s} {impl:6s} "
+                      f"{row['us'] or 0:8.1f} us floor {row['floor_us']:6.1f} "
+                      f"{row['pct_floor'] or 0:5.1f}% err {row['rel_err']:.1e}"
+                      + (f" best {row['best_us']:.1f} {row['best_tiling']}" if "best_us" in row
+                         else ""), flush=True)  # fmt: skip
+        save(args.out, bw, rows)  # after each layer: a run cut short keeps what it measured
+
+
+def save(out: Path, bw: float, rows: list) -> None:
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  read_gbps=bw / 1e9, rows=rows)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matmul.json").write_text(json.dumps(result, indent=1))
+    (out / "matmul.md").write_text(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Decode matmuls with quantized weights (benchmarks/matmul.py)",
+        "",
+        f"{result['device']}, jax {result['jax']}, read bandwidth {result['read_gbps']:.0f} GB/s "
+        "(measured in the same call). GPU time per matmul, x [batch, in] bf16; floor = the "
+        "weight's stored bytes (scales and zero points included) over the read bandwidth.",
+        "",
+        "| layer [in, out] | batch | format | XLA dequant + dot µs | kernel µs | kernel % of floor "
+        "| bf16 dot µs | kernel vs bf16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    get = lambda r, fmt, impl: next(
+        (x for x in result["rows"] if (x["shape"], x["batch"], x["format"], x["impl"])
+         == (r["shape"], r["batch"], fmt, impl)), {})  # fmt: skip
+    fmt_us = lambda v: f"{v:.1f}" if v else "-"
+    for r in result["rows"]:
+        if r["impl"] != "kernel" or "error" in r:
+            continue
+        xla, bf16 = get(r, r["format"], "xla"), get(r, "bf16", "dot")
+        ratio = bf16.get("us") / r["us"] if r["us"] and bf16.get("us") else None
+        lines.append(
+            f"| {r['shape']} [{r['k']}, {r['n']}] | {r['batch']} | {r['format']} "
+            f"| {fmt_us(xla.get('us'))} | {fmt_us(r['us'])} "
+            f"| {r['pct_floor']:.0f}% | {fmt_us(bf16.get('us'))} | "
+            + (f"{ratio:.2f}x |" if ratio else "- |")
+            if r["us"]
+            else f"| {r['shape']} | {r['batch']} | {r['format']} | - | - | - | - | - |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

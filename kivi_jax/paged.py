@@ -1,0 +1,258 @@
+"""The KV state as a pool of pages and a page table per sequence (the serving engine's layout).
+
+A `PagedCache` holds one layer's state of B sequences in two parts, plus the table that joins
+them. P pages of `page_size` (ps) tokens, M = max_pages pages per sequence at most:
+
+    rows    a Cache of batch B: every per-sequence array that has no token axis (the rings,
+            lengths, overflow, a mixed state's sinks, heavy tokens and ring scores); the
+            fields with a token axis are None here
+    pages   a Cache of batch P holding only the fields with a token axis, each page ps tokens
+            of one sequence: e.g. k_codes [P, H, ps // kpb, D], k_scale [P, H, ps // G, D],
+            v_codes [P, H, ps, D // vpb] (kivi_jax.cache's layout with the batch axis read as
+            pages and the capacity as ps; its static fields those of `rows`); the other
+            fields are None
+    table   int32 [B, M]: table[b, m] is the page holding tokens [m * ps, (m + 1) * ps) of
+            sequence b, NO_PAGE where it has none
+
+The fields with a token axis are found from the layout itself (`token_axes`: the axes whose
+size follows the capacity in init_cache), so any array a cache format keeps per token is paged
+without a change here. One page id indexes every such array of a layer (codes, scales, zeros,
+a mixed state's fine channels) and the same page id in every layer.
+
+`view` is the contiguous Cache the pages represent (the table gathered: capacity M * ps, a
+missing page reading as zeros), read by `cache.dequantize`, the reference attention and the
+fused kernels alike; `append` is kivi_jax.cache.append on that view, its writes put back
+through the table. A page must be in the table before a write lands in it: an append whose
+quantized tokens reach a token without its page sets the row's overflow flag (the write is
+dropped), as a write past max_len does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kivi_jax import cache as cache_lib
+from kivi_jax.cache import Cache, FullCache, KiviCache, init_cache
+
+NO_PAGE = np.iinfo(np.int32).max  # a table entry without a page (read as zeros, writes dropped)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["rows", "pages", "table"],
+    meta_fields=["page_size", "token_axes"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """One layer's KV state as pages (module doc). token_axes: (key path of a field with a
+    token axis, that axis), from `token_axes`."""
+
+    rows: Cache
+    pages: Cache
+    table: jax.Array  # int32 [B, M]
+    page_size: int
+    token_axes: tuple[tuple[str, int], ...]
+
+    @property
+    def num_pages(self) -> int:
+        return jax.tree.leaves(self.pages)[0].shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.shape[1]
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def token_axes(cache: Cache) -> tuple[tuple[str, int], ...]:
+    """(key path, token axis) of every array of `cache`'s kind that holds tokens by position:
+    the arrays whose shape follows the capacity (init_cache at two capacities, shapes only)."""
+    config = cache.config if isinstance(cache, KiviCache) else None
+    unit = 1 if config is None else config.group_size  # a capacity is a multiple of G
+
+    def shapes(max_len):
+        make = lambda: init_cache(config, batch=1, max_len=max_len, num_kv_heads=cache.num_kv_heads,
+                                  head_dim=cache.head_dim, dtype=cache.dtype)  # fmt: skip
+        flat, _ = jax.tree_util.tree_flatten_with_path(jax.eval_shape(make))
+        return {_key(p): x.shape for p, x in flat}
+
+    small, big = shapes(unit), shapes(2 * unit)
+    axes = []
+    for name, shape in small.items():
+        moved = [a for a, (s, b) in enumerate(zip(shape, big[name], strict=True)) if s != b]
+        if moved:
+            (axis,) = moved
+            axes.append((name, axis))
+    return tuple(axes)
+
+
+def check_page_size(cache: Cache, page_size: int) -> None:
+    """Raises unless a page of `page_size` tokens holds whole flushes: a multiple of R (and so
+    of G) for a KiviCache, any positive size for a FullCache."""
+    if not isinstance(page_size, int | np.integer) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if isinstance(cache, KiviCache) and page_size % cache.config.residual_length:
+        raise ValueError(
+            f"page_size={page_size} must be a multiple of the residual length "
+            f"R={cache.config.residual_length} (keys flush R tokens at a time)"
+        )
+
+
+def max_pages(max_len: int, page_size: int) -> int:
+    """Pages a sequence of max_len tokens may hold."""
+    return -(-max_len // page_size)
+
+
+def split(cache: Cache, axes) -> tuple[Cache, Cache]:
+    """(the arrays without a token axis, those with one), each in `cache`'s structure with
+    None in place of the other part's arrays."""
+    names = dict(axes)
+    keep = lambda token: lambda path, x: x if (_key(path) in names) == token else None
+    rows = jax.tree_util.tree_map_with_path(keep(False), cache)
+    return rows, jax.tree_util.tree_map_with_path(keep(True), cache)
+
+
+def merge(a: Cache, b: Cache) -> Cache:
+    """The arrays of `a` and `b` (split's two parts) as one Cache."""
+    return jax.tree.map(lambda x, y: y if x is None else x, a, b, is_leaf=lambda x: x is None)
+
+
+def init_paged(
+    config, *, batch: int, pages: int, page_size: int, max_len: int, num_kv_heads: int,
+    head_dim: int, dtype=jnp.bfloat16, num_layers: int | None = None,
+) -> PagedCache | tuple[PagedCache, ...]:  # fmt: skip
+    """An empty paged state: `batch` sequences of up to `max_len` tokens, `pages` pages of
+    `page_size` tokens, every table entry NO_PAGE (init_cache's arguments otherwise)."""
+    kw = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    template = jax.eval_shape(lambda: init_cache(config, batch=1, max_len=page_size, **kw))
+    check_page_size(template, page_size)
+    axes = token_axes(template)
+    m = max_pages(max_len, page_size)
+
+    def one():
+        rows, _ = split(init_cache(config, batch=batch, max_len=max_len, **kw), axes)
+        _, pool = split(init_cache(config, batch=pages, max_len=page_size, **kw), axes)
+        pool = dataclasses.replace(pool, max_len=max_len)  # the static fields of the rows'
+        table = jnp.full((batch, m), NO_PAGE, jnp.int32)
+        return PagedCache(rows=rows, pages=pool, table=table, page_size=page_size, token_axes=axes)
+
+    return one() if num_layers is None else tuple(one() for _ in range(num_layers))
+
+
+def view(paged: PagedCache) -> Cache:
+    """The contiguous Cache the pages represent: every token-axis array gathered through the
+    table, capacity max_pages * page_size (a missing page reads as zeros)."""
+    axes = dict(paged.token_axes)
+
+    def gather(path, x):  # x [P, ..., E, ...] (E at axis a) -> [B, ..., M * E, ...]
+        a = axes[_key(path)]
+        g = jnp.take(x, paged.table, axis=0, mode="fill", fill_value=0)  # [B, M, ...]
+        g = jnp.moveaxis(g, 1, a)  # [B, ..., M, E, ...]
+        return g.reshape(*g.shape[:a], g.shape[a] * g.shape[a + 1], *g.shape[a + 2 :])
+
+    return merge(paged.rows, jax.tree_util.tree_map_with_path(gather, paged.pages))
+
+
+def _as_pages(x: jax.Array, a: int, entries: int) -> jax.Array:
+    """x [B, ..., M * entries, ...] (token axis a) -> [B, M, ..., entries, ...]."""
+    x = x.reshape(*x.shape[:a], x.shape[a] // entries, entries, *x.shape[a + 1 :])
+    return jnp.moveaxis(x, a, 1)
+
+
+def _put_pages(paged: PagedCache, tokens: Cache, ids: jax.Array, at: jax.Array) -> Cache:
+    """The pool with the pages `at` [B, J] (table positions) of `tokens` (split's token part of
+    a contiguous Cache of B rows, capacity a multiple of page_size) written at page ids
+    `ids` [B, J] (NO_PAGE: dropped)."""
+    axes = dict(paged.token_axes)
+
+    def put(path, pool, x):
+        a = axes[_key(path)]
+        pages = _as_pages(x, a, pool.shape[a])  # [B, M, ...]
+        at_ = at.reshape(*at.shape, *(1,) * (pages.ndim - 2))
+        chosen = jnp.take_along_axis(pages, at_, axis=1)  # [B, J, ...]
+        flat = chosen.reshape(-1, *chosen.shape[2:])
+        return pool.at[ids.reshape(-1)].set(flat.astype(pool.dtype), mode="drop")
+
+    return jax.tree_util.tree_map_with_path(put, paged.pages, tokens)
+
+
+def _extent(cache: Cache) -> jax.Array:
+    """[B]: the tokens whose token-axis entries the arrays hold: a KiviCache's complete key
+    groups, [0, l - l % G) (values are quantized only up to l - R), a FullCache's l."""
+    n = cache.lengths
+    if isinstance(cache, FullCache):
+        return n
+    return n - n % cache.config.group_size
+
+
+def append(
+    paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
+) -> tuple[PagedCache, Cache]:
+    """kivi_jax.cache.append through the table: returns (the paged state after the step, the
+    contiguous view of it, which decode attention then reads). One step writes tokens in
+    [l - 1 - R, l) only (a leaving value, a completed key group: R <= page_size), so the view's
+    pages holding l - 1 and l - 1 - R are written back."""
+    cache = cache_lib.append(view(paged), k, v, active, q=q)
+    n, ps = cache.lengths, paged.page_size
+    r = cache.config.residual_length if isinstance(cache, KiviCache) else 0
+    at = jnp.stack([jnp.maximum(n - 1 - r, 0) // ps, jnp.maximum(n - 1, 0) // ps], axis=1)
+    rows, tokens = split(cache, paged.token_axes)
+    ids = jnp.take_along_axis(paged.table, at, axis=1)  # [B, 2]
+    last = jnp.maximum(_extent(cache) - 1, 0) // ps
+    missing = (_extent(cache) > 0) & (jnp.take_along_axis(paged.table, last[:, None], 1)[:, 0]
+                                      == NO_PAGE)  # fmt: skip
+    rows = dataclasses.replace(rows, overflow=rows.overflow | missing)
+    out = dataclasses.replace(paged, rows=rows, pages=_put_pages(paged, tokens, ids, at))
+    return out, merge(rows, tokens)
+
+
+def put_sequence(paged: PagedCache, cache: Cache, row) -> PagedCache:
+    """One sequence's contiguous state (`cache`, batch 1, any capacity up to max_pages *
+    page_size) into row `row`: its per-row arrays, and its token-axis arrays' pages through the
+    row's table entries (NO_PAGE entries dropped). The table is the caller's: it already holds
+    the row's pages."""
+    axes = dict(paged.token_axes)
+    rows, tokens = split(cache, paged.token_axes)
+    m = paged.max_pages
+
+    def pad(path, x):  # the token axis padded to max_pages pages
+        a, pool = axes[_key(path)], _leaf(paged.pages, path)
+        width = [(0, m * pool.shape[a] - x.shape[a]) if i == a else (0, 0) for i in range(x.ndim)]
+        return jnp.pad(x, width)
+
+    tokens = jax.tree_util.tree_map_with_path(pad, tokens)
+    ids = jax.lax.dynamic_slice_in_dim(paged.table, row, 1, axis=0)  # [1, M]
+    pool = _put_pages(paged, tokens, ids, jnp.arange(m, dtype=jnp.int32)[None])
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
+        big, small.astype(big.dtype), row, axis=cache_lib.BATCH_AXIS
+    )
+    return dataclasses.replace(paged, rows=jax.tree.map(put, paged.rows, rows), pages=pool)
+
+
+def sequence(paged: PagedCache, row) -> Cache:
+    """Row `row`'s contiguous state (batch 1, capacity max_pages * page_size): what
+    put_sequence takes back."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)
+    one = dataclasses.replace(paged, rows=jax.tree.map(take, paged.rows), table=take(paged.table))
+    return view(one)
+
+
+def _leaf(tree, path):
+    for p in path:
+        tree = getattr(tree, p.name)
+    return tree
+
+
+def decode_attention_reference(q: jax.Array, paged: PagedCache, window: int | None = None):
+    """kivi_jax.attention.decode_attention_reference over the pages: the table gathered into
+    the contiguous view, then the reference (same arguments and result)."""
+    from kivi_jax.attention import decode_attention_reference as reference
+
+    return reference(q, view(paged), window)

@@ -1,0 +1,1 @@
+"""Fused dequantize-matmul kernels for quantized weights (kivi_jax.weights)."""

@@ -1,0 +1,45 @@
+"""The operations of one layer's decode step as a GPU runs it, counted from its StableHLO
+(lowered for cuda on the CPU; benchmarks/decode_ops.py): a mixed state's step runs KIVI-2's
+three kernels and a heavy-token merge kernel, no sort or scatter, and no more operations than
+these bounds, so that its kernel count cannot creep back (issue 65: kivi2-mix ran ~2,000 extra
+small kernels a step)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_ops
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {kv: decode_ops.count_stablehlo(decode_ops.step_stablehlo(kv)) for kv in decode_ops.KVS}
+
+
+def test_kivi2_step_is_its_three_kernels_and_the_merge_of_their_splits(counts):
+    # the fused append, the score and the value kernels; the splits merged by 3 reductions
+    assert counts["kivi2"]["custom_call"] == 3
+    assert counts["kivi2"]["reduce"] == 3
+    assert counts["kivi2"]["scatter"] == counts["kivi2"]["transpose"] == 0
+
+
+def test_kivi2_mix_step_is_kivi2s_kernels_a_merge_kernel_and_small_xla_around_them(counts):
+    mix = counts["kivi2-mix"]
+    # the fused append (with the mixed parts: sinks, fine key channels), the heavy merge and
+    # the two attention kernels
+    assert mix["custom_call"] == counts["kivi2"]["custom_call"] + 1 == 4
+    # every state array written in place by the kernels; the logits' edits and the fine
+    # channels by selects and comparisons
+    assert mix["scatter"] == mix["sort"] == mix["top_k"] == mix["dynamic_update_slice"] == 0
+
+
+@pytest.mark.parametrize(
+    "kind, bound",
+    [("transpose", 2), ("gather", 9), ("dot_general", 3), ("reduce", 12),
+     ("concatenate", 8), ("total", 490)],
+)  # fmt: skip
+def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
+    # the counts at jax 0.10.2 (total: 485; kivi2: 64), a little slack on the total only
+    assert counts["kivi2-mix"][kind] <= bound

@@ -1,0 +1,113 @@
+"""The fused quantized-weight matmul (pallas_kernels/matmul/gpu.py), interpreted on the CPU:
+x @ w for every stored format against the product computed in float32 from the stored arrays,
+and what the kernel refuses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kivi_jax.pallas_kernels.matmul.gpu import (
+    MAX_ROWS,
+    MAX_SPLITS,
+    Tiling,
+    default_tiling,
+    quantized_matmul,
+    row_step,
+    unsupported_reason,
+)
+
+from kivi_jax.weights import QuantizedWeight, dense, fused_unsupported_reason, quantize_matrix
+
+
+def exact_product(x, w: QuantizedWeight) -> np.ndarray:
+    """x @ ((q - z) * s) in float64 from the stored arrays (an independent reference)."""
+    k, n = w.shape
+    q = np.asarray(w.qvalue.astype(jnp.int32), np.float64).reshape(-1, w.group, n)
+    if w.zero_point is not None:
+        q = q - np.asarray(w.zero_point.astype(jnp.float32), np.float64)[:, None]
+    wf = (q * np.asarray(w.scale.astype(jnp.float32), np.float64)[:, None]).reshape(k, n)
+    return np.asarray(x.astype(jnp.float32), np.float64) @ wf
+
+
+def gguf_like(rng, k, n, qdtype, *, zero: bool) -> QuantizedWeight:
+    """Blocks of 32 rows as a GGUF stores them: Q8_0 (int8, no zero), Q4_0 / Q4_1 (int4)."""
+    lo, hi = (-127, 128) if qdtype == jnp.int8 else (-8, 8)
+    s = jnp.asarray(rng.uniform(0.001, 0.02, (k // 32, n)), jnp.bfloat16)
+    return QuantizedWeight(
+        qvalue=jnp.asarray(rng.integers(lo, hi, (k, n)), qdtype),
+        scale=s,
+        zero_point=jnp.asarray(rng.uniform(-9, 3, (k // 32, n)), jnp.bfloat16) if zero else None,
+    )
+
+
+CASES = {
+    # name: (rows M, K, N, how the weight is made, tiling or None for the default)
+    "int8 per channel, split K": (3, 256, 128, ("quantize", 8, None), Tiling(64, splits=2)),
+    "int4 groups of 32, split K": (16, 256, 128, ("quantize", 4, 32), Tiling(64, splits=2)),
+    "int4 one row": (1, 128, 64, ("quantize", 4, 64), None),
+    "int4 per channel with zero": (5, 256, 64, ("quantize", 4, 256), None),
+    "int8 per channel, K = 576": (2, 576, 64, ("quantize", 8, None), None),
+    "Q8_0 blocks": (33, 128, 64, ("gguf", jnp.int8, False), None),
+    "Q4_0 blocks": (64, 128, 128, ("gguf", jnp.int4, False), Tiling(128, splits=4)),
+    "Q4_1 blocks": (7, 128, 64, ("gguf", jnp.int4, True), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_the_stored_weights_product(case):
+    m, k, n, (how, a, b), tiling = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    if how == "quantize":
+        w = quantize_matrix(jnp.asarray(rng.normal(0, 0.05, (k, n)), jnp.bfloat16), bits=a,
+                            group_size=b or k)  # fmt: skip
+    else:
+        w = gguf_like(rng, k, n, a, zero=b)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
+    got = quantized_matmul(x, w.qvalue, w.scale, w.zero_point, tiling=tiling, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    want = exact_product(x, w)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # The reference path (XLA's dequantize-then-dot, weights in bf16) agrees to bf16's rounding.
+    ref = dense(x, w).astype(jnp.float32)
+    assert np.abs(np.asarray(ref) - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_default_tiling_fills_the_gpu_and_divides_k():
+    shapes = [(4096, 28672, 32), (14336, 4096, 32), (4096, 6144, 4096), (576, 1536, 576)]
+    for k, n, group in shapes:
+        t = default_tiling(k, n, group)
+        step = row_step(k, group, t.block_k)
+        assert n % t.block_n == 0 and k % (t.splits * step) == 0
+        more = 2 * t.splits * step  # rows per split were K split twice as often
+        enough = (n // t.block_n) * t.splits >= 4 * 132 or t.splits == MAX_SPLITS
+        assert enough or k % more or k // more < 4
+    # The sweep's best on the H100 (benchmarks/results/matmul.md): Llama-3-8B's w_down, int4 g128.
+    assert default_tiling(14336, 4096, 128) == Tiling(block_n=128, splits=8)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, group, qdtype, xdtype, says",
+    [
+        (MAX_ROWS + 1, 128, 64, 32, jnp.int8, jnp.bfloat16, "rows"),
+        (4, 128, 64, 32, jnp.int8, jnp.float32, "bfloat16 or float16"),
+        (4, 576, 64, 96, jnp.int4, jnp.bfloat16, "groups of 96"),
+        (4, 128, 96, 32, jnp.int4, jnp.bfloat16, "multiple of 64"),
+        (4, 128, 64, 32, jnp.uint8, jnp.bfloat16, "int8 or int4"),
+    ],
+)
+def test_what_the_kernel_refuses(m, k, n, group, qdtype, xdtype, says):
+    reason = unsupported_reason(m, k, n, group, qdtype, xdtype)
+    assert reason is not None and says in reason
+    w = QuantizedWeight(
+        qvalue=jnp.zeros((k, n), qdtype), scale=jnp.ones((k // group, n), jnp.bfloat16)
+    )
+    with pytest.raises(ValueError, match="quantized_matmul"):
+        quantized_matmul(jnp.zeros((m, k), xdtype), w.qvalue, w.scale, interpret=True)
+
+
+def test_dense_runs_the_reference_off_the_gpu():
+    w = quantize_matrix(jnp.ones((128, 64), jnp.bfloat16), bits=4, group_size=32)
+    reason = fused_unsupported_reason(jnp.ones((2, 1, 128), jnp.bfloat16), w)
+    assert reason is None if jax.default_backend() == "gpu" else "needs a GPU" in reason
