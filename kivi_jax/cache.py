@@ -315,16 +315,16 @@ def init_cache(
         cap = _round_up(max_len, g)
         kpb = quantization.codes_per_byte(config.k_bits)
         vpb = quantization.codes_per_byte(config.v_bits)
-        k_params = config.k_scale_format.dtype(dtype)
-        v_params = config.v_scale_format.dtype(dtype)
+        kp = config.k_scale_format.params(dtype, config.k_bits)
+        vp = config.v_scale_format.params(dtype, config.v_bits)
         ring = config.residual_format.dtype(dtype)
         shapes = dict(
             k_codes=((*lead, cap // kpb, head_dim), jnp.uint8),
-            k_scale=((*lead, cap // g, head_dim), k_params),
-            k_zero=((*lead, cap // g, head_dim), k_params),
+            k_scale=((*lead, cap // g, head_dim), quantization.scale_dtype(kp)),
+            k_zero=((*lead, cap // g, head_dim), quantization.zero_dtype(kp)),
             v_codes=((*lead, cap, head_dim // vpb), jnp.uint8),
-            v_scale=((*lead, cap, head_dim // g), v_params),
-            v_zero=((*lead, cap, head_dim // g), v_params),
+            v_scale=((*lead, cap, head_dim // g), quantization.scale_dtype(vp)),
+            v_zero=((*lead, cap, head_dim // g), quantization.zero_dtype(vp)),
             k_residual=((*lead, r, head_dim), ring),
             v_residual=((*lead, r, head_dim), ring),
         )
@@ -643,7 +643,7 @@ def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = 
     parts = {n: updated.pop(n) for n in _APPEND_SIDE_FIELDS}
     if cfg.heavy_tokens:
         pos, leaving, score = _leaving_token_score(
-            cfg, {**updated, **parts}, k_leave, v_leave, old, fits
+            cfg, {**updated, **parts}, k_leave, v_leave, old, fits, cache.dtype
         )
         fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
         cast = lambda x: x.astype(side.heavy_k.dtype)
@@ -655,20 +655,21 @@ def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = 
     return updated | dict(side=dataclasses.replace(side, **parts))
 
 
-def _leaving_token_score(cfg: KiviConfig, arrays: dict, k_leave, v_leave, old, fits):
+def _leaving_token_score(cfg: KiviConfig, arrays: dict, k_leave, v_leave, old, fits, dtype):
     """The ERROR score of each row's token t - R (t = old), which left the value window with
     key and value k_leave, v_leave [B, H, D] (read from the rings; `arrays` the state after the
     step), as `_extend_kivi` scores it: (its position [B], whether it is a candidate [B],
-    float32 score [B, H], a NaN taken as +inf)."""
+    float32 score [B, H], a NaN taken as +inf); `dtype` the cache dtype."""
     r, g = cfg.residual_length, cfg.group_size
     pos = jnp.maximum(old - r, 0)  # [B]
     leaving = (fits > 0) & (old - r >= 0) & (pos >= cfg.sinks)
     at = pos[:, None]  # [B, 1]
     k_leave, v_leave = (x[:, :, None].astype(jnp.float32) for x in (k_leave, v_leave))
-    k_hat = _keys_at(cfg, arrays, at)  # [B, H, 1, D]
+    k_hat = _keys_at(cfg, arrays, at, dtype)  # [B, H, 1, D]
     codes = quantization.unpack_codes(_gather(arrays["v_codes"], at), cfg.v_bits, axis=3)
+    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
     v_hat = quantization.dequantize(
-        codes, _gather(arrays["v_scale"], at), _gather(arrays["v_zero"], at), g, axis=3
+        codes, _gather(arrays["v_scale"], at), _gather(arrays["v_zero"], at), g, 3, v_params
     )
     score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
     return pos, leaving, jnp.where(jnp.isnan(score), jnp.inf, score)[:, :, 0]
@@ -769,42 +770,51 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
     group quantization, with the mixed layout's sinks and fine channels (module doc).
     """
     b, g, f = cfg.k_bits, cfg.group_size, cfg.fine_key_channels
-    dtype = cfg.k_scale_format.dtype(dtype)  # the key scales' and zeros'
+    params = cfg.k_scale_format.params(dtype, b)  # the key scales' and zeros' storage
     w = win.shape[2]
     if cfg.sinks:  # the sinks take token S's key: the first group's range is over [S, G)
         j = jnp.arange(w)
         src = jnp.where(g0[:, None] + j < cfg.sinks, cfg.sinks - g0[:, None], j)
         win = _gather(win, jnp.clip(src, 0, w - 1))
-    codes, scale, zero = quantization.quantize(win, b, g, axis=2, dtype=dtype)
+    codes, scale, zero = quantization.quantize(win, b, g, axis=2, dtype=params)
     if not f:
         return codes, scale, zero, None, None
-    fine, fine_scale, _ = quantization.quantize(win, 2 * b, g, axis=2, dtype=dtype)
+    # An integer zero counts steps of the stored scale, 2^b times the fine step.
+    fine_params = params
+    if isinstance(params, quantization.IntZero):
+        fine_params = dataclasses.replace(params, shift=params.shift + b)
+    fine, fine_scale, fine_zero = quantization.quantize(win, 2 * b, g, axis=2, dtype=fine_params)
     grouped = win.astype(jnp.float32).reshape(*win.shape[:2], w // g, g, win.shape[3])
     spread = jnp.max(grouped, axis=3) - jnp.min(grouped, axis=3)  # [B, H, W // G, D]
     # is_fine [B, H, W // G, D], channels [B, H, W // G, F]
     is_fine, channels = quantization.widest_channels(spread, f)
     per_token = lambda x: jnp.repeat(x, g, axis=2)
     codes = jnp.where(per_token(is_fine), fine >> b, codes)
+    dtype = quantization.scale_dtype(params)
     if quantization.is_float8(dtype):  # exact below the format's largest value, saturated there
         top = float(jnp.finfo(dtype).max)
         coarse = jnp.minimum(quantization.as_float32(fine_scale) * (1 << b), top).astype(dtype)
     else:
         coarse = fine_scale * (1 << b)  # exact: a power of two
     scale = jnp.where(is_fine, coarse, scale)
+    zero = jnp.where(is_fine, fine_zero, zero)  # the same but for an integer zero
     lo = jnp.take_along_axis(fine & ((1 << b) - 1), per_token(channels), axis=3)
     return codes, scale, zero, lo, channels.astype(jnp.uint8)
 
 
-def _keys_at(cfg: KiviConfig, arrays: dict, pos: jax.Array) -> jax.Array:
-    """The keys at positions pos [B, J] as the codes read them: float32 [B, H, J, D]."""
+def _keys_at(cfg: KiviConfig, arrays: dict, pos: jax.Array, dtype) -> jax.Array:
+    """The keys at positions pos [B, J] as the codes of a cache of `dtype` read them: float32
+    [B, H, J, D]."""
     b, g = cfg.k_bits, cfg.group_size
     kpb = quantization.codes_per_byte(b)
     mask = (1 << b) - 1
     byte, group = pos // kpb, pos // g
     shift = ((pos % kpb) * b).astype(jnp.uint8)[:, None, :, None]
     code = (_gather(arrays["k_codes"], byte) >> shift) & mask  # [B, H, J, D]
-    scale = _gather(arrays["k_scale"], group).astype(jnp.float32)
-    zero = _gather(arrays["k_zero"], group).astype(jnp.float32)
+    stored_scale = _gather(arrays["k_scale"], group)
+    params = cfg.k_scale_format.params(dtype, b)
+    zero = quantization.zero_values(stored_scale, _gather(arrays["k_zero"], group), params)
+    scale = stored_scale.astype(jnp.float32)
     if arrays.get("fine_codes") is None:
         return quantization.affine(code.astype(jnp.float32), scale, zero)
     lo = (_gather(arrays["fine_codes"], byte) >> shift) & mask  # [B, H, J, F]
@@ -977,7 +987,7 @@ def _extend_kivi(
     # Values leaving the window, read from the ring before the new tokens take their slots,
     # then from the new tokens.
     (v_win,), v_ring = _ring_step(cache.v_residual, v, [(p0, seq, False)], old, keep)
-    v_params = cfg.v_scale_format.dtype(dtype)
+    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
     codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=v_params)
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
     pos = p0[:, None] + jnp.arange(seq)
@@ -1034,8 +1044,9 @@ def _extend_kivi(
             parts["ring_score"] = jnp.where((ts >= 0)[:, None], kept_old + added, 0.0)
         else:
             arrays = {**updated, **parts}
-            k_hat = _keys_at(cfg, arrays, jnp.clip(pos, 0, cache.k_codes.shape[2] * kpb - 1))
-            v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3)
+            at = jnp.clip(pos, 0, cache.k_codes.shape[2] * kpb - 1)
+            k_hat = _keys_at(cfg, arrays, at, dtype)
+            v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3, params=v_params)
             score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
         h = k.shape[1]
         merge = _merge_one_heavy if seq == 1 else _merge_heavy
@@ -1064,12 +1075,14 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
         cfg = cache.config
         g, r = cfg.group_size, cfg.residual_length
         side = cache.side
+        kp = cfg.k_scale_format.params(cache.dtype, cfg.k_bits)
+        vp = cfg.v_scale_format.params(cache.dtype, cfg.v_bits)
         if side is not None and side.fine_codes is not None:
             rep = lambda x: jnp.repeat(x, g, axis=2)
             kq = _fine_dequantize(
                 quantization.unpack_codes(cache.k_codes, cfg.k_bits, axis=2),
                 rep(cache.k_scale.astype(jnp.float32)),
-                rep(cache.k_zero.astype(jnp.float32)),
+                rep(quantization.zero_values(cache.k_scale, cache.k_zero, kp)),
                 quantization.unpack_codes(side.fine_codes, cfg.k_bits, axis=2),
                 rep(side.fine_channels),
                 cfg.k_bits,
@@ -1082,6 +1095,7 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
                 cache.k_zero,
                 g,
                 axis=2,
+                params=kp,
             )
         vq = quantization.dequantize(
             quantization.unpack_codes(cache.v_codes, cfg.v_bits, axis=3),
@@ -1089,6 +1103,7 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
             cache.v_zero,
             g,
             axis=3,
+            params=vp,
         )
         t = jnp.arange(kq.shape[2])
         n = cache.lengths[:, None, None, None]

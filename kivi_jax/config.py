@@ -8,6 +8,8 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
+from kivi_jax import quantization
+
 SUPPORTED_BITS = (2, 4, 8)
 _INT_FIELDS = (
     "k_bits", "v_bits", "group_size", "residual_length", "sinks", "fine_key_channels",
@@ -38,17 +40,32 @@ class Format(enum.Enum):
     CACHE: the cache dtype (init_cache's `dtype`: float32, bfloat16 or float16).
     E4M3: float8_e4m3fn (3 mantissa bits, finite range +-448, subnormals down to 2^-9).
     E5M2: float8_e5m2 (2 mantissa bits, finite range +-57344, subnormals down to 2^-16).
+    E4M3_INT8: scales and zeros only (k_scale_format, v_scale_format): an e4m3 scale s and an
+      int8 zero point n counting units of s * 2^bits / 64 (about 1/64 of the group's range;
+      bits the codes' width), both rounded to nearest with the grid centred on the group
+      (quantization.IntZero; the others' s rounded up and z down cover the range but widen
+      every step).
     """
 
     CACHE = "cache"
     E4M3 = "e4m3"
     E5M2 = "e5m2"
+    E4M3_INT8 = "e4m3-int8"
 
     def dtype(self, cache_dtype) -> jnp.dtype:
-        """The dtype this format stores in, for a cache of `cache_dtype`."""
+        """The dtype this format stores tokens in, for a cache of `cache_dtype`."""
         if self is Format.CACHE:
             return jnp.dtype(cache_dtype)
+        if self is Format.E4M3_INT8:
+            raise ValueError("Format.E4M3_INT8 stores scales and zeros, not tokens")
         return jnp.dtype(jnp.float8_e4m3fn if self is Format.E4M3 else jnp.float8_e5m2)
+
+    def params(self, cache_dtype, bits: int):
+        """How this format stores the scales and zeros of `bits`-bit codes in a cache of
+        `cache_dtype`: their dtype, or a quantization.IntZero (quantize takes either)."""
+        if self is Format.E4M3_INT8:
+            return quantization.IntZero(jnp.dtype(cache_dtype), bits - 6)
+        return self.dtype(cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +91,12 @@ class KiviConfig:
       heavy_tokens: N, a per-sequence (per KV head) budget of tokens kept in full precision
         after they leave the window: the N highest-scoring of those that have left.
       selection: the score of the heavy tokens (Selection).
+
+    Storage formats (config.Format; all CACHE by default; docs/design.md, "Storage formats"):
+      k_scale_format, v_scale_format: the keys' and the values' scales and zero points (CACHE,
+        E4M3, E5M2 or E4M3_INT8).
+      residual_format: the tokens kept in full precision: both rings, the sinks and the heavy
+        tokens (CACHE, E4M3 or E5M2).
     """
 
     k_bits: int = 2
@@ -141,6 +164,11 @@ class KiviConfig:
         for name in ("k_scale_format", "v_scale_format", "residual_format"):
             if not isinstance(getattr(self, name), Format):
                 raise ValueError(f"KiviConfig.{name} must be a Format, got {getattr(self, name)!r}")
+        if self.residual_format is Format.E4M3_INT8:
+            raise ValueError(
+                "KiviConfig.residual_format cannot be Format.E4M3_INT8 (a format of scales and "
+                "zero points); use CACHE, E4M3 or E5M2"
+            )
 
     @property
     def plain_formats(self) -> bool:
@@ -174,12 +202,12 @@ KIVI2_MIX = KiviConfig(
     selection=Selection.ERROR,
 )
 # KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value"):
-# kivi2-mix's parts with float8 (e4m3) scales and zeros, an e4m3 residual (rings, sinks and
-# heavy tokens) and 16 heavy tokens.
+# kivi2-mix's parts with e4m3 scales and int8 zero points rounded to nearest (E4M3_INT8), an
+# e4m3 residual (rings, sinks and heavy tokens) and 16 heavy tokens.
 KIVI2_LEAN = dataclasses.replace(
     KIVI2_MIX,
     heavy_tokens=16,
-    k_scale_format=Format.E4M3,
-    v_scale_format=Format.E4M3,
+    k_scale_format=Format.E4M3_INT8,
+    v_scale_format=Format.E4M3_INT8,
     residual_format=Format.E4M3,
 )

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kivi_jax import quantization
 from kivi_jax.cache import Cache, FullCache, check_cache
 from kivi_jax.config import KiviConfig
 from kivi_jax.paged import PagedCache, merge
@@ -171,15 +172,20 @@ def held_bits(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     w = jnp.dtype(dtype).itemsize * 8
     side = 0
-    kw = vw = rw = w  # bits of a key scale or zero, of a value one, of a full-precision token
+    kw = vw = 2 * w  # bits of a key group's scale and zero, of a value group's
+    rw = w  # bits of a full-precision token's key or value
     if config is None:
         qk = pv = 0
         k_bits = v_bits = g = 1
     else:
-        kw, vw, rw = (
-            jnp.dtype(f.dtype(dtype)).itemsize * 8
-            for f in (config.k_scale_format, config.v_scale_format, config.residual_format)
+        kw, vw = (
+            8 * (quantization.scale_dtype(p).itemsize + quantization.zero_dtype(p).itemsize)
+            for p in (
+                config.k_scale_format.params(dtype, config.k_bits),
+                config.v_scale_format.params(dtype, config.v_bits),
+            )
         )
+        rw = jnp.dtype(config.residual_format.dtype(dtype)).itemsize * 8
         g, r = config.group_size, config.residual_length
         pv = max(length - r, 0)
         qk = pv if config.sliding_keys else length - length % r
@@ -196,7 +202,7 @@ def held_bits(
         head_dim=head_dim,
         dtype_bits=w,
         code_bits=(qk * k_bits + pv * v_bits) * head_dim,
-        scale_zero_bits=2 * (kw * qk + vw * pv) * head_dim // g,
+        scale_zero_bits=(kw * qk + vw * pv) * head_dim // g,
         residual_bits=((length - qk) + (length - pv)) * head_dim * rw,
         side_bits=side,
     )

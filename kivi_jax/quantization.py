@@ -11,10 +11,18 @@ z + (2^B - 1) * s covers max(X) and every member is within s / 2 of its reconstr
 constant group has s = 0 and reconstructs exactly as z where z is exact (the cache dtype).
 In float8 the zero is first saturated at +-the format's largest value and the scale at it:
 finite groups beyond the format's range get finite, inaccurate parameters.
-A group with a non-finite member (NaN, +-inf) stores s = z = NaN and codes 0: all its members
-dequantize to NaN. Finite groups anywhere in float32's range get finite s, z and reconstructions
-(spans and products beyond the range are taken halved; docs/design.md, "Non-finite and extreme
-values").
+With an integer zero (`IntZero`: an e4m3 scale s, an int8 zero point n counting units
+u = s * 2^shift) both are rounded to nearest instead: s is span / (2^B - 1) rounded to the
+nearest e4m3 value (raised where n's range needs it), n = round((mid - (2^B - 1) * s / 2) / u)
+centres the grid on the group's mid-range mid, and the zero's value n * u is rounded to the
+cache dtype. Members beyond the grid's ends take its end codes: every member is within
+s / 2 + (2^B - 1) / 2 * |s - span / (2^B - 1)| + u / 2 of its reconstruction (plus the zero's
+rounding to the cache dtype), where rounding s up and z down to cover the range would widen
+every step (docs/design.md, "Storage formats").
+A group with a non-finite member (NaN, +-inf) stores s = z = NaN (an integer zero: s = NaN,
+n = 0) and codes 0: all its members dequantize to NaN. Finite groups anywhere in float32's range
+get finite s, z and reconstructions (spans and products beyond the range are taken halved;
+docs/design.md, "Non-finite and extreme values").
 
 Packing (the only place that defines the bit order): `8 // bits` codes share one uint8. Along the
 packed axis, element i lives in byte i // (8 // bits) at bits [bits * (i % (8 // bits)), +bits),
@@ -23,6 +31,8 @@ channels (see kivi_jax.cache), so a kernel unpacks a tile with one shift and one
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +43,39 @@ FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def is_float8(dtype) -> bool:
-    return jnp.dtype(dtype) in FLOAT8_DTYPES
+    return not isinstance(dtype, IntZero) and jnp.dtype(dtype) in FLOAT8_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class IntZero:
+    """Group parameters stored as a float8 e4m3 scale s and an int8 zero point n (module doc):
+    the zero's value is n * s * 2^shift rounded to `dtype`, the cache dtype in which it is
+    read. Where quantize takes a parameter dtype, an IntZero stands for this storage."""
+
+    dtype: jnp.dtype
+    shift: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+
+def scale_dtype(params) -> jnp.dtype:
+    """The dtype of the stored scales for `params` (a dtype or an IntZero)."""
+    return jnp.dtype(jnp.float8_e4m3fn) if isinstance(params, IntZero) else jnp.dtype(params)
+
+
+def zero_dtype(params) -> jnp.dtype:
+    """The dtype of the stored zero points for `params` (a dtype or an IntZero)."""
+    return jnp.dtype(jnp.int8) if isinstance(params, IntZero) else jnp.dtype(params)
+
+
+def zero_values(scale: jax.Array, zero: jax.Array, params) -> jax.Array:
+    """The zero points' values, float32, from the stored scale and zero (module doc), as the
+    readers take them (a float zero widened by a cast)."""
+    if not isinstance(params, IntZero):
+        return zero.astype(jnp.float32)
+    z = zero.astype(jnp.float32) * (as_float32(scale) * jnp.float32(2.0**params.shift))
+    return as_float32(z.astype(params.dtype))
 
 
 def codes_per_byte(bits: int) -> int:
@@ -151,6 +193,8 @@ def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Arr
     group dequantizes to NaN, never to a finite number.
     """
     levels = (1 << bits) - 1
+    if isinstance(dtype, IntZero):
+        return _int_zero_scale_and_zero(lo, hi, finite, levels, dtype)
     nan = jnp.array(jnp.nan, dtype)
     if is_float8(dtype):  # zero rounded down, the scale over the span from it (module doc)
         top = float(jnp.finfo(dtype).max)
@@ -163,6 +207,26 @@ def scale_and_zero(lo, hi, finite, bits: int, dtype) -> tuple[jax.Array, jax.Arr
     step = jnp.where(jnp.isinf(span), halved, span * jnp.float32(1.0 / levels))
     scale = jnp.where(finite, round_up_to_dtype(jnp.where(finite, step, 0.0), dtype), nan)
     return scale, jnp.where(finite, lo.astype(dtype), nan)
+
+
+def _int_zero_scale_and_zero(lo, hi, finite, levels: int, params: IntZero):
+    """scale_and_zero for an IntZero (module doc): the e4m3 scale and the int8 zero point."""
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    top = float(jnp.finfo(e4m3).max)
+    unit = 2.0**params.shift  # the zero's unit, in scales
+    lo, hi = jnp.where(finite, lo, 0.0), jnp.where(finite, hi, 0.0)
+    step = (hi * 0.5 - lo * 0.5) * jnp.float32(2.0 / levels)  # span / levels, no overflow
+    mid = lo * 0.5 + hi * 0.5
+    # n = round((mid - levels * s / 2) / (s * unit)) lies in [-128, 127] for s >= need.
+    need = jnp.where(mid > 0, mid / (127 * unit + levels / 2), -mid / (128 * unit - levels / 2))
+    nearest = round_to_float8(step, e4m3)
+    least = round_up_to_dtype(jnp.minimum(need, top), e4m3)
+    scale = jnp.where(as_float32(least) > as_float32(nearest), least, nearest)
+    u = as_float32(scale) * jnp.float32(unit)
+    n = jnp.round((mid - as_float32(scale) * (levels / 2)) / jnp.where(u > 0, u, 1.0))
+    zero = jnp.clip(n, -128, 127).astype(jnp.int8)
+    nan = jnp.array(jnp.nan, e4m3)
+    return jnp.where(finite, scale, nan), jnp.where(finite, zero, jnp.int8(0))
 
 
 def codes_of(x, scale, zero, finite, bits: int, round_fn=jnp.round) -> jax.Array:
@@ -189,11 +253,13 @@ def quantize(
       bits: code width B.
       group_size: G.
       axis: the axis along which groups are formed.
-      dtype: the dtype of the returned scale and zero point.
+      dtype: the dtype of the returned scale and zero point, or an IntZero (an e4m3 scale and
+        an int8 zero point).
 
     Returns:
       codes: uint8, same shape as x, unpacked, in [0, 2^B - 1].
-      scale, zero: `dtype`, x.shape with `axis` shrunk by G; x ~= codes * scale + zero.
+      scale, zero: x.shape with `axis` shrunk by G; x ~= codes * scale + zero_values(scale,
+        zero, dtype).
     """
     xf = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
     *lead, m = xf.shape
@@ -202,7 +268,8 @@ def quantize(
     g = xf.reshape(*lead, m // group_size, group_size)  # [..., groups, G]
     finite = jnp.all(is_finite(g), axis=-1)
     scale, zero = scale_and_zero(jnp.min(g, axis=-1), jnp.max(g, axis=-1), finite, bits, dtype)
-    codes = codes_of(g, scale[..., None], zero[..., None], finite[..., None], bits)
+    z = zero_values(scale, zero, dtype) if isinstance(dtype, IntZero) else zero
+    codes = codes_of(g, scale[..., None], z[..., None], finite[..., None], bits)
     codes = codes.reshape(*lead, m)
     return (
         jnp.moveaxis(codes, -1, axis),
@@ -212,11 +279,12 @@ def quantize(
 
 
 def dequantize(
-    codes: jax.Array, scale: jax.Array, zero: jax.Array, group_size: int, axis: int
+    codes: jax.Array, scale: jax.Array, zero: jax.Array, group_size: int, axis: int, params=None
 ) -> jax.Array:
-    """codes * scale + zero in float32, the scale and zero repeated over each group along `axis`."""
+    """codes * scale + zero in float32, the scale and zero repeated over each group along `axis`
+    (`params`: an IntZero where the zero is one, read by zero_values)."""
     s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
-    z = jnp.repeat(zero.astype(jnp.float32), group_size, axis=axis)
+    z = jnp.repeat(zero_values(scale, zero, params), group_size, axis=axis)
     return affine(codes.astype(jnp.float32), s, z)
 
 
@@ -254,6 +322,7 @@ def fake_quantize(
     x: jax.Array, bits: int, group_size: int, axis: int, params_dtype=None
 ) -> jax.Array:
     """Quantize-dequantize x along `axis` in groups of G, returned in x's dtype (for analyses);
-    the scales and zeros in `params_dtype` (default x's dtype)."""
-    codes, scale, zero = quantize(x, bits, group_size, axis, params_dtype or x.dtype)
-    return dequantize(codes, scale, zero, group_size, axis).astype(x.dtype)
+    the scales and zeros in `params_dtype` (default x's dtype; an IntZero too)."""
+    params = x.dtype if params_dtype is None else params_dtype
+    codes, scale, zero = quantize(x, bits, group_size, axis, params)
+    return dequantize(codes, scale, zero, group_size, axis, params).astype(x.dtype)

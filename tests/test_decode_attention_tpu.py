@@ -139,8 +139,12 @@ def test_fold_matrix_adds_tokens_to_their_slots(rng):
     np.testing.assert_array_equal(folded, p.reshape(2, n // R, R).sum(axis=1))
 
 
-def _case(rng, *, k_bits, v_bits, D, n_rep, dtype, prompts, steps, max_len, R=128, G=32, H=2):
-    cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R)
+def _case(
+    rng, *, k_bits, v_bits, D, n_rep, dtype, prompts, steps, max_len, R=128, G=32, H=2, **formats
+):
+    cfg = kivi_jax.KiviConfig(
+        k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R, **formats
+    )
     cache = streamed_cache(
         rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts, steps=steps, dtype=dtype
     )
@@ -240,6 +244,18 @@ def test_one_block_holds_the_whole_capacity(rng):
     )
     attend = functools.partial(kivi_jax.decode_attention, impl="pallas_tpu", interpret=True)
     _check(q, cache, attend=attend)
+
+
+def test_int8_zero_points_are_read_as_their_values(rng):
+    """Format.E4M3_INT8 scales and zero points (issue 61), widened to the cache dtype by XLA
+    before the kernel (decode_attention.state.kernel_args)."""
+    int8 = kivi_jax.Format.E4M3_INT8
+    q, cache = _case(
+        rng, k_bits=2, v_bits=2, D=64, n_rep=1, dtype=jnp.bfloat16, prompts=[150, 40],
+        steps=0, max_len=160, k_scale_format=int8, v_scale_format=int8,
+    )  # fmt: skip
+    assert cache.k_zero.dtype == cache.v_zero.dtype == jnp.int8
+    _check(q, cache)
 
 
 def test_group_16_and_several_chunks_per_block(rng):

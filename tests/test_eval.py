@@ -142,6 +142,12 @@ def test_cli_missing_text_file_is_a_clear_error(tmp_path, capsys):
     assert not list(tmp_path.glob("ppl.*"))
 
 
+def test_cli_unknown_lean_row_fails_before_the_model_loads(tmp_path, capsys):
+    argv = ["lean", "--lean-rows", "kivi2-lean", "bogus", "--model", str(tmp_path / "none")]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    assert "--lean-rows: unknown rows ['bogus']" in capsys.readouterr().err
+
+
 def test_cli_unknown_study_is_a_usage_error(capsys):
     assert cli.main(["bogus"]) == 2
     assert "invalid choice: 'bogus'" in capsys.readouterr().err

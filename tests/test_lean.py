@@ -1,4 +1,5 @@
-"""Fewer bits per value (issue 61): float8 scales and zeros, a float8 residual, kivi2-lean.
+"""Fewer bits per value (issue 61): float8 scales and zeros, int8 zero points, a float8
+residual, kivi2-lean.
 
 The cache-wide properties (prefill = appends bit-identical, non-finite values confined to their
 group, finite tokens giving a finite state) run on a float8 config in tests/test_properties.py;
@@ -56,6 +57,43 @@ def test_round_to_float8_saturates_finite_values_and_keeps_non_finite_ones():
     assert np.isnan(got[3:]).all()  # e4m3fn has no inf
 
 
+def test_an_int8_zero_centres_the_grid_in_units_of_a_64th_of_the_range():
+    # [10.0, 10.3, 10.6, 10.9], 2 bits: s = 0.3 to the nearest e4m3 value, 0.3125 (5 / 16);
+    # the unit u = s * 2^2 / 64 = 0.01953125; n = round((10.45 - 1.5 * 0.3125) / u) =
+    # round(511.04) is beyond 127, so s rises to what n's range needs, 10.45 / (127 / 16
+    # + 1.5) = 1.1045, up to e4m3's 1.125 (an offset of 9 steps costs step width here);
+    # u = 0.0703125, n = round(8.7625 / u) = round(124.6) = 125, z = 8.7890625: the grid
+    # 8.79, 9.91, 11.04, 12.16 and the codes 1, 1, 2, 2.
+    x = jnp.asarray([[10.0, 10.3, 10.6, 10.9]], jnp.float32)
+    params = qz.IntZero(jnp.float32, 2 - 6)
+    codes, scale, zero = qz.quantize(x, 2, 4, axis=1, dtype=params)
+    assert scale.dtype == E4M3 and zero.dtype == jnp.int8
+    assert (qz.as_float32(scale).item(), zero.item()) == (1.125, 125)
+    assert qz.zero_values(scale, zero, params).item() == 8.7890625
+    assert codes.tolist() == [[1, 1, 2, 2]]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_an_int8_zero_keeps_members_within_its_bound_and_beats_e4m3_zeros(bits):
+    # Groups of 32 of spreads 1e-3 ... 1e1 around offsets of up to ~15 spreads (the keys'
+    # offset channels), in a float32 cache.
+    rng = np.random.default_rng(0)
+    spread = 10.0 ** rng.uniform(-3, 1, size=(400, 1))
+    x = rng.normal(size=(400, 32)) * spread + rng.normal(size=(400, 1)) * 5 * spread
+    x = jnp.asarray(x, jnp.float32)
+    levels = 2**bits - 1
+    params = qz.IntZero(jnp.float32, bits - 6)
+    codes, scale, zero = qz.quantize(x, bits, 32, axis=1, dtype=params)
+    s, step = qz.as_float32(scale), (x.max(axis=1) - x.min(axis=1))[:, None] / levels
+    err = jnp.abs(qz.dequantize(codes, scale, zero, 32, axis=1, params=params) - x)
+    bound = s / 2 + levels / 2 * jnp.abs(s - step) + s * 2.0**bits / 64 / 2
+    assert bool(jnp.all(err <= bound * (1 + 2**-20)))
+    # The mean error below that of e4m3 zeros rounded down with scales rounded up.
+    c8, s8, z8 = qz.quantize(x, bits, 32, axis=1, dtype=E4M3)
+    err8 = jnp.abs(qz.dequantize(c8, s8, z8, 32, axis=1) - x)
+    assert float(jnp.mean(err / step)) < float(jnp.mean(err8 / step))
+
+
 SMALL_LEAN = dataclasses.replace(
     kj.KIVI2_LEAN, group_size=4, residual_length=8, sinks=1, fine_key_channels=2, heavy_tokens=2
 )
@@ -66,7 +104,8 @@ def test_a_float8_residual_holds_the_tokens_rounded_as_they_entered(rng):
         SMALL_LEAN, batch=1, max_len=20, num_kv_heads=1, head_dim=8, dtype=jnp.bfloat16
     )
     assert cache.dtype == jnp.bfloat16
-    assert cache.k_scale.dtype == cache.v_zero.dtype == cache.k_residual.dtype == E4M3
+    assert cache.k_scale.dtype == cache.v_scale.dtype == cache.k_residual.dtype == E4M3
+    assert cache.k_zero.dtype == cache.v_zero.dtype == jnp.int8
     assert cache.side.sink_k.dtype == cache.side.heavy_v.dtype == E4M3
     k, v = random_kv(rng, 1, 20, 1, 8)
     cache = kj.prefill(cache, k, v)
@@ -83,6 +122,7 @@ def test_a_float8_residual_holds_the_tokens_rounded_as_they_entered(rng):
     [
         dict(k_scale_format=Format.E5M2, v_scale_format=Format.E4M3),
         dict(residual_format=Format.E5M2),
+        dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8),
     ],
 )
 def test_plain_float8_formats_prefill_equals_appends(rng, formats):
@@ -126,6 +166,10 @@ def test_memory_report_counts_float8_arrays_at_one_byte():
     )
     assert 2 * lean.scales_zeros_bytes == plain.scales_zeros_bytes == 2 * 2 * 2 * 256 * 2 * 2
     assert lean.residual_bytes == plain.residual_bytes
+    int8 = dataclasses.replace(cfg, k_scale_format=Format.E4M3_INT8)
+    assert kj.memory_report(kj.init_cache(int8, **shape)).scales_zeros_bytes == (
+        lean.scales_zeros_bytes
+    )  # an e4m3 scale and an int8 zero: 2 bytes a group, as two float8s
 
 
 def test_kivi2_lean_is_a_kv_name_everywhere():
@@ -140,3 +184,5 @@ def test_kivi2_lean_is_a_kv_name_everywhere():
 def test_a_format_must_be_a_format():
     with pytest.raises(ValueError, match="residual_format must be a Format"):
         kj.KiviConfig(residual_format="e4m3")
+    with pytest.raises(ValueError, match=r"residual_format cannot be Format\.E4M3_INT8"):
+        kj.KiviConfig(residual_format=Format.E4M3_INT8)

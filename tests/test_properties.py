@@ -26,7 +26,7 @@ from tiny_model import tiny_params
 import kivi_jax as kj
 
 # Three configs (plain; every mixed-precision part with ERROR selection, for which prefill
-# equals appends bit-identically; the same in kivi2-lean's float8 formats), one shape: few
+# equals appends bit-identically; the same in kivi2-lean's 8-bit formats), one shape: few
 # compilations.
 _MIXED = kj.KiviConfig(
     k_bits=2, v_bits=2, group_size=4, residual_length=8, sinks=1, sliding_keys=True,
@@ -36,8 +36,8 @@ CONFIGS = {
     "plain": kj.KiviConfig(k_bits=2, v_bits=4, group_size=4, residual_length=8),
     "mixed": _MIXED,
     "lean": dataclasses.replace(
-        _MIXED, k_scale_format=kj.Format.E4M3, v_scale_format=kj.Format.E4M3,
-        residual_format=kj.Format.E4M3,
+        _MIXED, k_scale_format=kj.KIVI2_LEAN.k_scale_format,
+        v_scale_format=kj.KIVI2_LEAN.v_scale_format, residual_format=kj.KIVI2_LEAN.residual_format,
     ),
 }  # fmt: skip
 B, T, H, D = 2, 21, 2, 8  # T tokens: two flushes of R = 8 and a partial window

@@ -2,6 +2,7 @@
 
     kivi-eval ppl|passkey|errors|ablate|mix|lean|all [--out DIR] [--quick] [--text FILE]
               [--check-text FILE ...] [--model PATH] [--weights float|int8|int4|gguf]
+              [--lean-rows NAME ...] [--no-format-errors]
     kivi-eval replot --out DIR
 
 Each study writes <study>.json, <study>.md and <study>.png under --out. Progress goes to stderr.
@@ -115,6 +116,14 @@ def parse_args(argv):
         "--passkey-lengths", type=_positive_int, nargs="+", default=None,
         help="passkey prompt lengths in tokens (default 1024 2048 4096; quick: 1024), e.g. 7168",
     )  # fmt: skip
+    p.add_argument(
+        "--lean-rows", nargs="+", default=None, metavar="NAME",
+        help="lean: run only these rows (fp always; default all: studies.lean_candidates)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-format-errors", action="store_true",
+        help="lean: skip the formats' attention-output errors",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -154,6 +163,11 @@ def run(args, log) -> list[pathlib.Path]:
             f"mix's default held-out prose {data.HELD_OUT_PROSE} is not here (Debian/Ubuntu's "
             f"base-files ships it): pass --check-text FILE"
         )
+    if args.lean_rows:
+        names = list(studies.lean_candidates())
+        unknown = sorted(set(args.lean_rows) - set(names))
+        if unknown:
+            raise ValueError(f"--lean-rows: unknown rows {unknown}; the rows are {names}")
     out = pathlib.Path(args.out)
     _check_out(out)  # before the model loads: an unusable --out fails now, not after an hour
     model = kivi_jax.load_model(
@@ -208,6 +222,8 @@ def run(args, log) -> list[pathlib.Path]:
                 passkey_lengths=sizes.passkey_lengths,
                 depths=sizes.depths,
                 keys_per_cell=sizes.lean_keys_per_cell,
+                rows=args.lean_rows,
+                format_errors=not args.no_format_errors,
                 log=log,
             )
         elif study == "mix":

@@ -404,11 +404,13 @@ def _lean_md(r: dict) -> str:
     )
     text += "".join(f"- {n}: {d}\n" for n, d in r["settings"].items())
     fe = r["format_errors"]
+    if not fe:
+        return text + "\nThe formats' attention-output errors were not run (--no-format-errors).\n"
     text += (
         f"\nThe formats: attention-output error (relative Frobenius, the last "
         f"{r['format_error_queries']} queries over {r['format_error_keys']} keys, through the "
         "streaming view, against full precision; mean and max over layers) of KIVI-2 with "
-        "each float8 format:\n\n"
+        "each 8-bit format:\n\n"
     )
     text += _table(
         ["KV", "error mean", "error max", "bits d64 4k"],

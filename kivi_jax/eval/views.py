@@ -99,7 +99,9 @@ class StreamingAttention:
             return _mixed_streaming_attention(self.config, self.cache_dtype, q, k, v, lengths)
         cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
         k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
-        g, kp, vp = cfg.group_size, cfg.k_scale_format.dtype(dtype), cfg.v_scale_format.dtype(dtype)
+        g = cfg.group_size
+        kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
+        vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
         kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
         vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
         held = jnp.arange(s)[:, None] + 1  # [S, 1]: the cache length when query i attends
@@ -140,22 +142,23 @@ def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
     kh = _pad_tokens(k, g).swapaxes(1, 2)  # [B, H, S', D]
     codes, scale, zero, lo, channels = kc._quantize_keys(kh, cfg, jnp.zeros((b,), jnp.int32), dtype)
     rep_g = lambda x: jnp.repeat(x, g, axis=2)
+    k_params = cfg.k_scale_format.params(dtype, cfg.k_bits)
     if lo is None:
-        kq = quantization.dequantize(codes, scale, zero, g, axis=2)
+        kq = quantization.dequantize(codes, scale, zero, g, axis=2, params=k_params)
     else:
         kq = kc._fine_dequantize(
             codes,
             rep_g(scale.astype(jnp.float32)),
-            rep_g(zero.astype(jnp.float32)),
+            rep_g(quantization.zero_values(scale, zero, k_params)),
             lo,
             rep_g(channels),
             cfg.k_bits,
             d,
         )
     kq = kq[:, :, :s]  # [B, H, S, D]
-    v_params = cfg.v_scale_format.dtype(dtype)
+    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
     v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=v_params)
-    vq = quantization.dequantize(v_codes, v_scale, v_zero, g, axis=3).swapaxes(1, 2)
+    vq = quantization.dequantize(v_codes, v_scale, v_zero, g, 3, v_params).swapaxes(1, 2)
     kf, vf = (x.astype(jnp.float32).swapaxes(1, 2) for x in (k, v))  # [B, H, S, D]
 
     qg = q.astype(jnp.float32).reshape(b, s, h, n // h, d)
@@ -237,7 +240,9 @@ class SharedPrefixAttention:
         if self.split % cfg.group_size:
             raise ValueError(f"split={self.split} must be a multiple of G={cfg.group_size}")
         k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
-        g, kp, vp = cfg.group_size, cfg.k_scale_format.dtype(dtype), cfg.v_scale_format.dtype(dtype)
+        g = cfg.group_size
+        kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
+        vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
         kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
         vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
         i, t = jnp.arange(s)[:, None], jnp.arange(s)[None, :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def cache_reason(cache, *, reads_mixed: bool) -> str | None:
@@ -41,16 +42,23 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
 
     The kernels read scales, zeros and rings in the cache dtype: those stored in a float8
     format (KiviConfig's *_format) are widened to it first, exactly (every float8 value is a
-    bfloat16, float16 and float32 value), by XLA, a pass over them before the kernels."""
+    bfloat16, float16 and float32 value), by XLA, a pass over them before the kernels; an
+    int8 zero point (Format.E4M3_INT8) is read as its value, which is one of the cache dtype."""
+    from kivi_jax.quantization import zero_values
+
     cfg = cache.config
     wide = lambda x: x if x.dtype == cache.dtype else x.astype(cache.dtype)
+    # An integer zero (Format.E4M3_INT8) read as its value: one of the cache dtype.
+    zeros = lambda s, z, f, bits: wide(z) if z.dtype != jnp.int8 else (
+        zero_values(s, z, f.params(cache.dtype, bits)).astype(cache.dtype)
+    )  # fmt: skip
     arrays = (
         cache.k_codes,
         wide(cache.k_scale),
-        wide(cache.k_zero),
+        zeros(cache.k_scale, cache.k_zero, cfg.k_scale_format, cfg.k_bits),
         cache.v_codes,
         wide(cache.v_scale),
-        wide(cache.v_zero),
+        zeros(cache.v_scale, cache.v_zero, cfg.v_scale_format, cfg.v_bits),
         wide(cache.k_residual),
         wide(cache.v_residual),
         cache.lengths,
