@@ -855,15 +855,16 @@ class Engine:
 
     def _place(self, h: RequestHandle, held: int, free: list[int], share: bool = True):
         """(Under the lock.) The first of the `free` slots whose pool part holds the request's
-        `held` tokens and its next decode call's: its pages taken (with `share`, its prefix's
-        shared pages first), the request its occupant (the slot removed from `free`); None if
-        no slot's pool has the pages."""
+        `held` tokens and its next decode call's, beside what the decoding rows need for
+        theirs: its pages taken (with `share`, its prefix's shared pages first), the request its
+        occupant (the slot removed from `free`); None if no slot's pool has the pages."""
         want = self._first_tokens(h, held)
         for slot in free:
             shard = self._pages.shard(slot)
             hits = self._hits(h, shard) if share else []
             kept = sum(self._pages.is_kept(p) for p in hits)
-            if self._pages.missing(slot, want) - len(hits) <= self._pages.free(shard) - kept:
+            spare = self._pages.free(shard) - kept - self._next_call_pages(shard)
+            if self._pages.missing(slot, want) - len(hits) <= spare:
                 self._pages.share(slot, hits)
                 self._shared[slot] = len(hits)
                 self._pages.grow(slot, want)
@@ -872,6 +873,13 @@ class Engine:
                 self._order.setdefault(h, next(self._admissions))
                 return slot
         return None
+
+    def _next_call_pages(self, shard: int) -> int:
+        """(Under the lock.) Pages the shard's decoding rows lack for the next decode call: kept
+        back from admissions, which would otherwise take them and be preempted by _make_room."""
+        rows = [s for s in self._decoding() if self._pages.shard(s) == shard]
+        return sum(self._pages.missing(s, self._first_tokens(self._occupant[s], self._bound[s]))
+                   for s in rows)  # fmt: skip
 
     def _decoding(self) -> list[int]:
         """(Under the lock.) The slots whose request decodes (not ended, not prefilling)."""
