@@ -62,6 +62,18 @@ def quantize_tokens(
     ]
 
 
+def _entering_and_quantized(cfg: KiviConfig, dtype, k, v):
+    """(k, v as the cache holds them when they enter, and their group-quantized values: keys
+    per channel, values per token, in the config's scale formats)."""
+    k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
+    g = cfg.group_size
+    kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
+    vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
+    kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
+    vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
+    return k, v, kq, vq
+
+
 def _two_candidate_attention(q, k_a, k_b, v_a, v_b, use_k_a, use_v_a, lengths):
     """softmax over t of q_i . (k_a if use_k_a[i, t] else k_b), times (v_a if use_v_a else v_b).
 
@@ -98,12 +110,7 @@ class StreamingAttention:
         if self.config.mixed:
             return _mixed_streaming_attention(self.config, self.cache_dtype, q, k, v, lengths)
         cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
-        k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
-        g = cfg.group_size
-        kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
-        vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
-        kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
-        vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
+        k, v, kq, vq = _entering_and_quantized(cfg, dtype, k, v)
         held = jnp.arange(s)[:, None] + 1  # [S, 1]: the cache length when query i attends
         t = jnp.arange(s)[None, :]
         r = cfg.residual_length
@@ -239,12 +246,7 @@ class SharedPrefixAttention:
         cfg, s, dtype = self.config, q.shape[1], self.cache_dtype
         if self.split % cfg.group_size:
             raise ValueError(f"split={self.split} must be a multiple of G={cfg.group_size}")
-        k, v = (kc.entering_tokens(cfg, x, dtype) for x in (k, v))
-        g = cfg.group_size
-        kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
-        vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
-        kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
-        vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
+        k, v, kq, vq = _entering_and_quantized(cfg, dtype, k, v)
         i, t = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
         shared = (i >= self.split) & (t < self.split)
         return _two_candidate_attention(q, kq, k, vq, v, shared, shared, lengths)
