@@ -47,15 +47,12 @@ def stored_bytes(w) -> int:
 
 
 def _exact(w) -> jax.Array:
-    """The weight in float32 from its stored arrays, without dequantize's rounding to the scale's
-    dtype: what a matmul of it should give."""
+    """The weight in float32, its scales and zero points widened first (no rounding of the
+    dequantized weight to the scale's dtype): what a matmul of it should give."""
     if not isinstance(w, QuantizedWeight):
         return w.astype(jnp.float32)
-    k, n = w.shape
-    q = w.qvalue.astype(jnp.float32).reshape(-1, w.group, n)
-    if w.zero_point is not None:
-        q = q - w.zero_point.astype(jnp.float32)[:, None]
-    return (q * w.scale.astype(jnp.float32)[:, None]).reshape(k, n)
+    wide = lambda x: None if x is None else x.astype(jnp.float32)
+    return dequantize(QuantizedWeight(w.qvalue, wide(w.scale), wide(w.zero_point)))
 
 
 def main(argv=None) -> None:
