@@ -245,8 +245,7 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
     state and pool; the slots freed again after).
     Real requests cannot measure this: admitting S prompts of `length` tokens takes S or more
     scheduler steps, during which the first ones decode and finish, so a wall-clock over
-    requests never has every slot live (the measure this replaced reported the tail of a few
-    live requests: 703 tok/s on the H100 at 167 slots, docs/serving.md). `trace` (a dict), on
+    requests never has every slot live (docs/serving.md). `trace` (a dict), on
     a GPU, gets the kernels of one call summed by name and its GPU span."""
     import jax
     from timing import gpu_kernels, kernel_totals, span_seconds, split_runs

@@ -186,9 +186,8 @@ class Engine:
         of prefill_chunk, while requests wait and slots are free (at least one call a step).
         Default: decode_steps x prefill_chunk, about one chunk per decode step: a step's
         prefill then costs several times its decode call, so admitting a burst raises the
-        time per output token of the requests decoding meanwhile, but the slots fill (with one
-        chunk a step, an H100 serving 1,280-token prompts kept 13 of 152 slots live:
-        docs/serving.md).
+        time per output token of the requests decoding meanwhile, but the slots fill (one
+        chunk a step leaves most slots empty under long prompts: docs/serving.md).
       max_queue: requests that may wait for a slot; one more is a QueueFullError.
       eos_id: a token that ends every request (finish_reason "stop").
       decode_steps: decode steps per jitted call (tokens are read back once per call).
