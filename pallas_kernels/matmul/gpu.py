@@ -6,8 +6,9 @@ x [M, K] (a decode step's rows, M <= 64) times a `kivi_jax.weights.QuantizedWeig
     w = (qvalue - zero_point) * scale     (the scale and zero point of row group k // g)
 
 read as stored: each program loads its columns' integer codes one row group at a time (int4 as
-bytes of two codes, Pallas's int4 load), widens them to x's dtype in registers (exact: |q| <=
-127) and multiplies on the tensor cores, then applies the group's scale and zero point to the
+the bytes XLA packs two columns in: the even columns' low nibbles and the odd columns' high
+nibbles are two operands, two dots), widens them to x's dtype in registers (exact: |q| <= 127)
+and multiplies on the tensor cores, then applies the group's scale and zero point to the
 [M, bn] partial sum:
 
     x_g @ w_g = (x_g @ q_g - (sum_k x_g[:, k]) * z_g) * s_g
@@ -101,30 +102,55 @@ def _padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero: bool):
+def _codes(q_ref, rows, packed: bool, dtype) -> tuple[jax.Array, ...]:
+    """The codes of `rows` widened to `dtype` (exact): int8 -> ([step, bn],); int4 bytes ->
+    (even columns, odd columns), each [step, bn / 2]: a byte's low nibble is its even column
+    (bitcast_convert_type's order), each nibble sign-extended by two shifts of the int8 byte."""
+    b = q_ref[rows, :]
+    if not packed:
+        return (b.astype(dtype),)
+    b = b.astype(jnp.int8)  # same bits
+    four = jnp.int8(4)
+    lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(b, four), four)
+    hi = jax.lax.shift_right_arithmetic(b, four)
+    return lo.astype(dtype), hi.astype(dtype)
+
+
+def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero: bool,
+            packed: bool):  # fmt: skip
     """One program: columns [n * bn, n * bn + bn) over K split s (steps of `step` rows); refs:
-    the scale and zero point refs of grouped weights (per_channel: none), then the output."""
+    the scale and zero point refs of grouped weights (per_channel: none), then the output.
+    packed (int4): q_ref holds bytes [K, bn / 2] and the even and odd columns are two dots
+    whose sums are stored to the output's even and odd columns (strided stores)."""
     *sz, o_ref = refs
     s_ref, z_ref = (*sz, None, None)[:2]
     mp, bn = o_ref.shape[-2:]
+    parts = 2 if packed else 1
+    width = bn // parts
+    # Column c of part p is output column c * parts + p.
+    cols = [pl.ds(p, width, stride=parts) if packed else slice(None) for p in range(parts)]
     k0 = pl.program_id(1) * steps * step
     f32 = jnp.float32
 
-    def body(i, acc):  # acc [M', bn] float32
+    def body(i, accs):  # accs: parts x [M', bn / parts] float32
         rows = pl.ds(k0 + i * step, step)
         xg = x_ref[:, rows]  # [M', step]
-        w = q_ref[rows, :].astype(xg.dtype)  # [step, bn], exact
-        part = jnp.dot(xg, w, preferred_element_type=f32)
-        if per_channel:  # the scale and zero point are applied to the whole sum
-            return acc + part
-        g = pl.ds((k0 + i * step) // step, 1)
-        scale = s_ref[g, :].astype(f32)  # [1, bn]
-        if zero:
-            xsum = jnp.sum(xg.astype(f32), axis=1, keepdims=True)  # [M', 1]
-            part = part - xsum * z_ref[g, :].astype(f32)
-        return acc + part * scale
+        ws = _codes(q_ref, rows, packed, xg.dtype)  # parts x [step, bn / parts], exact
+        xsum = jnp.sum(xg.astype(f32), axis=1, keepdims=True) if zero else None  # [M', 1]
+        out = []
+        for acc, w, c in zip(accs, ws, cols, strict=True):
+            part = jnp.dot(xg, w, preferred_element_type=f32)
+            if not per_channel:  # per channel: scale and zero point applied to the whole sum
+                g = (k0 + i * step) // step
+                if zero:
+                    part = part - xsum * z_ref[pl.ds(g, 1), c].astype(f32)
+                part = part * s_ref[pl.ds(g, 1), c].astype(f32)
+            out.append(acc + part)
+        return tuple(out)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((mp, bn), f32))
+    zeros = tuple(jnp.zeros((mp, width), f32) for _ in range(parts))
+    for acc, c in zip(jax.lax.fori_loop(0, steps, body, zeros), cols, strict=True):
+        o_ref[:, c] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -156,14 +182,22 @@ def quantized_matmul(
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     zero = zero_point is not None
     grouped = [] if per_channel else [scale] + ([zero_point] if zero else [])
-    cols = lambda rows: pl.BlockSpec((rows, t.block_n), lambda j, s: (0, j))
+    packed = qvalue.dtype == jnp.int4
+    if packed:  # int4 [K, N] -> its bytes [K, N / 2], two codes each (the same memory)
+        qvalue = jax.lax.bitcast_convert_type(qvalue.reshape(k, n // 2, 2), jnp.uint8)
+    cols = lambda rows, width=t.block_n: pl.BlockSpec((rows, width), lambda j, s: (0, j))
     kernel = functools.partial(
-        _kernel, step=step, steps=k // (t.splits * step), per_channel=per_channel, zero=zero
+        _kernel,
+        step=step,
+        steps=k // (t.splits * step),
+        per_channel=per_channel,
+        zero=zero,
+        packed=packed,
     )
     partial = pl.pallas_call(
         kernel,
         grid=(n // t.block_n, t.splits),
-        in_specs=[pl.BlockSpec((mp, k), lambda j, s: (0, 0)), cols(k)]
+        in_specs=[pl.BlockSpec((mp, k), lambda j, s: (0, 0)), cols(k, t.block_n // (1 + packed))]
         + [cols(k // group)] * len(grouped),
         out_specs=pl.BlockSpec((None, mp, t.block_n), lambda j, s: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((t.splits, mp, n), jnp.float32),
