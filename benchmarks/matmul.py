@@ -8,7 +8,7 @@ bandwidth measured in the same call) and the percent of it, and the kernels of o
 `--sweep` each kernel row also tries the tilings of TILINGS and reports the best beside the
 default's.
 
-    python benchmarks/matmul.py --out DIR [--batches 1 16 64] [--sweep 16]
+    python benchmarks/matmul.py --out DIR [--batches 1 16 64] [--sweep 16] [--formats int8 ...]
     python benchmarks/matmul.py --smoke --out DIR    # CPU: small shapes, interpreted kernel
 """
 
@@ -35,7 +35,7 @@ SMOKE_SHAPES = {"gate_up": (256, 512)}
 FORMATS = (("int8", 8, None), ("int4 g32", 4, 32), ("int4 g128", 4, 128))
 TILINGS = tuple(
     Tiling(block_n=bn, splits=s, num_warps=w, num_stages=st)
-    for bn in (64, 128)
+    for bn in (64, 128, 256)
     for s in (1, 2, 4, 8)
     for w, st in ((4, 3), (8, 5))
 )
@@ -66,6 +66,12 @@ def main(argv=None) -> None:
         metavar="BATCH",
         help="at these batches also try every tiling of TILINGS",
     )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        choices=[f for f, _, _ in FORMATS],
+        default=[f for f, _, _ in FORMATS],
+    )
     p.add_argument("--smoke", action="store_true", help="small shapes, interpreted (no GPU)")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args(argv)
@@ -91,7 +97,7 @@ def main(argv=None) -> None:
             x = jax.random.normal(jax.random.key(1), (b, k), jnp.float32).astype(jnp.bfloat16)
             runs = {("bf16", "dot", None): (jax.jit(jnp.matmul), (x, w16))}
             weights = {}
-            for fmt, bits, group in FORMATS:
+            for fmt, bits, group in (f for f in FORMATS if f[0] in args.formats):
                 w = quantize_matrix(w16, bits=bits, group_size=group or k)
                 weights[fmt] = w
                 runs[(fmt, "xla", None)] = (xla, (x, w))
