@@ -131,7 +131,9 @@ def cpu_leaving_score(kv: str) -> collections.Counter | None:
     def score(state, k_leave, v_leave, old, fits):
         arrays = {f: getattr(state, f) for f in cache_module._APPEND_FIELDS}
         arrays |= {f: getattr(state.side, f) for f in cache_module._APPEND_SIDE_FIELDS}
-        return cache_module._leaving_token_score(state.config, arrays, k_leave, v_leave, old, fits)
+        return cache_module._leaving_token_score(
+            state.config, arrays, k_leave, v_leave, old, fits, state.k_residual.dtype
+        )
 
     return _optimized_counts(score, _abstract(state), row, row, rows, rows, donate=False)
 

@@ -1,8 +1,8 @@
 """The operations of one layer's decode step as a GPU runs it, counted from its StableHLO
 (lowered for cuda on the CPU; benchmarks/decode_ops.py): a mixed state's step runs KIVI-2's
-three kernels and a heavy-token merge kernel, no sort or scatter, and no more operations than
-these bounds, so that its kernel count cannot creep back (issue 65: kivi2-mix ran ~2,000 extra
-small kernels a step)."""
+three kernels and a heavy-token merge kernel, no sort and one small scatter, and no more
+operations than these bounds, so that its kernel count cannot creep back (issue 65: kivi2-mix
+ran ~2,000 extra small kernels a step)."""
 
 import sys
 from pathlib import Path
@@ -31,15 +31,18 @@ def test_kivi2_mix_step_is_kivi2s_kernels_a_merge_kernel_and_small_xla_around_th
     # the two attention kernels
     assert mix["custom_call"] == counts["kivi2"]["custom_call"] + 1 == 4
     # every state array written in place by the kernels; the logits' edits and the fine
-    # channels by selects and comparisons
-    assert mix["scatter"] == mix["sort"] == mix["top_k"] == mix["dynamic_update_slice"] == 0
+    # channels by selects, but -inf at the full-precision entries' E positions a row: one
+    # scatter of B H E entries (comparing every position with each costs E x C a row: on the
+    # H100, 1.3 ms of Llama-2-7B's step)
+    assert mix["sort"] == mix["top_k"] == mix["dynamic_update_slice"] == 0
+    assert mix["scatter"] == 1
 
 
 @pytest.mark.parametrize(
     "kind, bound",
-    [("transpose", 2), ("gather", 9), ("dot_general", 3), ("reduce", 12),
-     ("concatenate", 8), ("total", 490)],
+    [("transpose", 2), ("gather", 9), ("dot_general", 3), ("reduce", 11),
+     ("concatenate", 9), ("total", 505)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 485; kivi2: 64), a little slack on the total only
+    # the counts at jax 0.10.2 (total: 501; kivi2: 64), a little slack on the total only
     assert counts["kivi2-mix"][kind] <= bound

@@ -115,8 +115,8 @@ def edit_logits(
     (module doc): fine channels added (maxima raised by their bound), the ring's exact logits
     in [Pv, Qk) with sliding keys, -inf at the positions of `extras` (`extra_entries`) in use.
     qs: f32 [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep
-    unused). Every edit is a select over the logits by token position (one fused pass over
-    them, no scatter)."""
+    unused). The fine channels and the ring's logits are selects over the logits by token
+    position (one fused pass over them); the extras' -inf one scatter of their positions."""
     *_, slots, C = scores.shape
     n_rep = qs.shape[2]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, slots - n_rep)] + [(0, 0)] * (x.ndim - 3))
@@ -136,10 +136,12 @@ def edit_logits(
         ring = pad(ring_logits(qs, k_residual))  # [B, H, slots, R]
         by_token = jnp.tile(ring, (1, 1, 1, -(-C // R)))[..., :C]  # [B, H, slots, C]
         scores = jnp.where((t >= pv) & (t < qk), by_token, scores)
-    if extras is not None:
+    if extras is not None:  # one scatter of B H E entries (a comparison would cost E x C)
         _, _, pos, used = extras  # [B, H, E]
-        replaced = jnp.any(used[..., None] & (pos[..., None] == t), axis=2)  # [B, H, C]
-        scores = jnp.where(replaced[:, :, None], -jnp.inf, scores)
+        B, H, _ = pos.shape
+        at = jnp.where(used, pos, C)  # C: past the logits, dropped
+        b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+        scores = scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
     return scores, block_max
 
 
