@@ -708,12 +708,13 @@ def _full_of(result, r):
 
 
 def step_split(kernels: dict, weights: str = "bf16") -> dict[str, float]:
-    """ms per step of a row's kernels by kind: matmuls (XLA's Triton gemm fusions, cuBLAS),
-    attention (the KIVI score and value kernels, cuDNN) and other (the append kernel among it).
+    """ms per step of a row's kernels by kind: matmuls (XLA's Triton gemm fusions, cuBLAS, the
+    fused quantized-weight kernel), attention (the KIVI score and value kernels, cuDNN) and
+    other (the append kernel among it).
     With quantized weights, a separate dequantization kernel (one XLA did not fuse into the
     GEMM: a non-GEMM kernel whose name holds "convert") counts with the matmuls, and is also
     given alone as `dequant` (an upper bound: a norm's convert fusion would count too)."""
-    gemm = lambda n: any(k in n for k in ("gemm", "nvjet", "cublas", "splitK"))
+    gemm = lambda n: any(k in n for k in ("gemm", "nvjet", "cublas", "splitK", "quantized_matmul"))
     kind = lambda n: (
         "matmuls" if gemm(n)
         else "dequant" if weights != "bf16" and "convert" in n
