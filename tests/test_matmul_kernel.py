@@ -1,6 +1,6 @@
-"""The fused quantized-weight matmul (pallas_kernels/matmul/gpu.py), interpreted on the CPU:
-x @ w for every stored format against the product computed in float32 from the stored arrays,
-and what the kernel refuses."""
+"""The fused quantized-weight matmul (pallas_kernels/matmul/gpu.py), interpreted on the CPU and
+compiled on a GPU (`-m gpu`: int4's PTX runs only there): x @ w for every stored format against
+the product computed in float64 from the stored arrays, and what the kernel refuses."""
 
 from __future__ import annotations
 
@@ -53,10 +53,18 @@ CASES = {
     "Q4_0 blocks": (64, 128, 128, ("gguf", jnp.int4, False), Tiling(128, splits=4)),
     "Q4_1 blocks": (7, 128, 64, ("gguf", jnp.int4, True), None),
 }
+X_DTYPES = {"int4 one row": jnp.float16}  # the other cases: bfloat16
 
 
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@pytest.mark.parametrize(
+    "interpret",
+    [True, pytest.param(False, id="gpu", marks=[pytest.mark.gpu, needs_gpu])],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_the_stored_weights_product(case):
+def test_kernel_matches_the_stored_weights_product(case, interpret):
     m, k, n, (how, a, b), tiling = CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     if how == "quantize":
@@ -64,8 +72,8 @@ def test_kernel_matches_the_stored_weights_product(case):
                             group_size=b or k)  # fmt: skip
     else:
         w = gguf_like(rng, k, n, a, zero=b)
-    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
-    got = quantized_matmul(x, w.qvalue, w.scale, w.zero_point, tiling=tiling, interpret=True)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), X_DTYPES.get(case, jnp.bfloat16))
+    got = quantized_matmul(x, w.qvalue, w.scale, w.zero_point, tiling=tiling, interpret=interpret)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     want = exact_product(x, w)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

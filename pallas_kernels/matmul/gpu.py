@@ -102,13 +102,47 @@ def _padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def _codes(q_ref, rows, packed: bool, dtype) -> tuple[jax.Array, ...]:
+# int4 nibbles to 16-bit floats by their bits: a nibble n's bits (n ^ 8: its signed value + 8)
+# or'd into the exponent of `base` (128.0 in bfloat16, 1024.0 in float16: one unit per
+# mantissa step) give base + 8 + q, and one fused multiply-add takes base + 8 off.
+_MAGIC = {  # dtype: (base's bits, -(base + 8) as a pair of halves, 1.0 as a pair)
+    jnp.dtype(jnp.bfloat16): (0x4300, 0xC308C308, 0x3F803F80, "bf16x2"),
+    jnp.dtype(jnp.float16): (0x6400, 0xE408E408, 0x3C003C00, "f16x2"),
+}
+
+
+def _nibbles_asm(b, dtype, *, high: bool):
+    """The low (or high) nibbles of uint8 b as signed values in `dtype`, four bytes per PTX
+    instance: two PRMTs spread the bytes into 16-bit halves, one LOP3 each masks the nibble,
+    flips its sign bit and sets the exponent, one FMA each takes the offset off."""
+    base, offset, one, kind = _MAGIC[jnp.dtype(dtype)]
+    bits = f"{base | 8:#06x}{base | 8:04x}"
+    shift = "shr.b32 x, x, 4; " if high else ""
+    code = (
+        "{ .reg .b32 x, t0, t1, one, off; "
+        f"mov.b32 x, $2; {shift}mov.b32 one, {one:#010x}; mov.b32 off, {offset:#010x}; "
+        "prmt.b32 t0, x, 0, 0x4140; prmt.b32 t1, x, 0, 0x4342; "
+        f"lop3.b32 t0, t0, 0x000F000F, {bits}, 0x6A; "
+        f"lop3.b32 t1, t1, 0x000F000F, {bits}, 0x6A; "
+        f"fma.rn.{kind} $0, t0, one, off; fma.rn.{kind} $1, t1, one, off; }}"
+    )
+    [r] = plgpu.elementwise_inline_asm(
+        code, args=[b], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, dtype)],
+    )  # fmt: skip
+    return r
+
+
+def _codes(q_ref, rows, packed: bool, dtype, interpret: bool) -> tuple[jax.Array, ...]:
     """The codes of `rows` widened to `dtype` (exact): int8 -> ([step, bn],); int4 bytes ->
     (even columns, odd columns), each [step, bn / 2]: a byte's low nibble is its even column
-    (bitcast_convert_type's order), each nibble sign-extended by two shifts of the int8 byte."""
+    (bitcast_convert_type's order). On the GPU by `_nibbles_asm`; interpreted, each nibble
+    sign-extended by two shifts of the int8 byte."""
     b = q_ref[rows, :]
     if not packed:
         return (b.astype(dtype),)
+    if not interpret:
+        return _nibbles_asm(b, dtype, high=False), _nibbles_asm(b, dtype, high=True)
     b = b.astype(jnp.int8)  # same bits
     four = jnp.int8(4)
     lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(b, four), four)
@@ -117,7 +151,7 @@ def _codes(q_ref, rows, packed: bool, dtype) -> tuple[jax.Array, ...]:
 
 
 def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero: bool,
-            packed: bool):  # fmt: skip
+            packed: bool, interpret: bool):  # fmt: skip
     """One program: columns [n * bn, n * bn + bn) over K split s (steps of `step` rows); refs:
     the scale and zero point refs of grouped weights (per_channel: none), then the output.
     packed (int4): q_ref holds bytes [K, bn / 2] and the even and odd columns are two dots
@@ -135,7 +169,7 @@ def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero:
     def body(i, accs):  # accs: parts x [M', bn / parts] float32
         rows = pl.ds(k0 + i * step, step)
         xg = x_ref[:, rows]  # [M', step]
-        ws = _codes(q_ref, rows, packed, xg.dtype)  # parts x [step, bn / parts], exact
+        ws = _codes(q_ref, rows, packed, xg.dtype, interpret)  # parts x [step, bn / parts], exact
         xsum = jnp.sum(xg.astype(f32), axis=1, keepdims=True) if zero else None  # [M', 1]
         out = []
         for acc, w, c in zip(accs, ws, cols, strict=True):
@@ -193,6 +227,7 @@ def quantized_matmul(
         per_channel=per_channel,
         zero=zero,
         packed=packed,
+        interpret=interpret,
     )
     partial = pl.pallas_call(
         kernel,
