@@ -1,7 +1,8 @@
-"""kivi_jax.distributed: generate across 2 processes of 2 host devices each (one group of
-processes, tests/distributed_worker.py, on loopback), against this process's one-device run;
-then a process killed mid-run ends the other."""
+"""kivi_jax.distributed: generate and the engine across 2 processes of 2 host devices each
+(one group of processes, tests/distributed_worker.py, on loopback), against this process's
+one-device run; then a process killed while the engine serves ends the other."""
 
+import json
 import os
 import re
 import socket
@@ -10,17 +11,22 @@ import sys
 import time
 from pathlib import Path
 
+import distributed_worker
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed_worker import CASES, LENGTHS, NEW, PROMPTS
+from distributed_worker import CASES, ENGINE_CASES, LENGTHS, NEW, PROMPTS
 from tiny_model import tiny_params, write_hf_dir
 
 import kivi_jax
 from kivi_jax import distributed, sharding
+from kivi_jax.generate import RowSampling, Sampling
+from kivi_jax.serving import plan
+from kivi_jax.serving.plan import Op
 
 TESTS = Path(__file__).parent
-STARTUP_S = 240  # both processes through every case (about 60 s on 2 shared CPU cores)
+STARTUP_S = 300  # both processes through every case (about 100 s on 2 shared CPU cores)
 LOST_S = 60  # a dead process ends the others within this
 
 
@@ -89,11 +95,24 @@ def test_generate_across_processes_equals_one_process(group, name):
         np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"process {pid}")
 
 
+def test_the_engine_across_processes_serves_as_one_process(group):
+    """6 requests arriving two at a time, submitted to process 0's engine while process 1
+    follows its plans, some prefilled in chunks, some preempted to host memory and back: each
+    request's greedy tokens on ("model",) over 4 devices and on ("data", "model") 2 x 2 equal
+    the one-process engine's."""
+    want = distributed_worker.serve(distributed_worker.engine())
+    group.wait_for(0, "engine cases done")
+    got = json.loads((group.tmp / "engine.json").read_text())
+    for name in ENGINE_CASES:
+        assert got[name] == want, name
+
+
 def test_a_killed_process_ends_the_other_naming_it(group):
-    """Process 1 killed while both generate: process 0 exits non-zero within LOST_S seconds
-    (the heartbeat timeout, 30 s), its log naming task 1 as the one that stopped."""
+    """Process 1 killed while process 0's engine serves and it follows: process 0 exits
+    non-zero within LOST_S seconds (the heartbeat timeout, 30 s), its log naming task 1 as
+    the one that stopped."""
     assert distributed.HEARTBEAT_TIMEOUT_S <= 30
-    group.wait_for(1, "generated")
+    group.wait_for(0, "served")
     group.procs[1].kill()
     t0 = time.monotonic()
     try:
@@ -114,3 +133,44 @@ def test_one_process_global_mesh_and_conversions():
     x = np.arange(12).reshape(4, 3)
     placed = distributed.to_global(x, mesh, sharding.rows_spec(mesh))
     np.testing.assert_array_equal(distributed.to_host(placed), x)
+
+
+def test_a_plan_comes_back_as_it_was_sent(monkeypatch):
+    """The engine's plan as int32 words and back: ints, None, arrays of each dtype (floats
+    and seeds bit for bit), page tables as the rows that changed since the last one sent;
+    a plan longer than a buffer goes out in several and comes back whole."""
+    table = np.full((4, 3), -1, np.int32)
+    rows = jax.tree.leaves(RowSampling.of([Sampling(temperature=0.7, top_p=0.9, seed=2**32 - 1)]))
+    ops = [
+        (Op.RESET, 2),
+        (Op.CHUNK, np.arange(8, dtype=np.int32).reshape(2, 4), 32, np.array([4, 4]), None),
+        (Op.INSERT, table, -1, 1, np.array([5, 6], np.int32), np.array([9]), table[:1], 1, *rows),
+    ]
+    grown = table.copy()
+    grown[1, :2] = [7, 3]
+    later = [(Op.DECODE, grown, 0, 1), (Op.PREFILL, np.ones((1, plan.PLAN_WORDS), np.int32),
+                                          np.array([plan.PLAN_WORDS], np.int32))]  # fmt: skip
+    sent, received = plan.Codec(table.shape), plan.Codec(table.shape)
+    buffers = []
+    monkeypatch.setattr(plan.multihost_utils, "broadcast_one_to_all", lambda b: buffers.append(b))
+    for batch in (ops, later):
+        words = sent.encode(batch)
+        if batch is later:  # the decode's table: its one changed row (after 2 words of op)
+            assert words[2:4] == [3, 1] and words[4:8] == [1, 7, 3, -1]
+        plan.send(words)
+        monkeypatch.setattr(plan.multihost_utils, "broadcast_one_to_all",
+                            lambda _: buffers.pop(0))  # fmt: skip
+        if batch is later:
+            assert len(buffers) == 2  # PLAN_WORDS prompt tokens: two buffers
+        got = received.decode(plan.receive())
+        monkeypatch.setattr(plan.multihost_utils, "broadcast_one_to_all",
+                            lambda b: buffers.append(b))  # fmt: skip
+        assert len(got) == len(batch)
+        for g, b in zip(got, batch, strict=True):
+            assert g[0] == b[0] and len(g) == len(b)
+            for x, y in zip(g[1:], b[1:], strict=True):
+                if isinstance(y, np.ndarray):
+                    assert x.dtype == y.dtype and x.shape == y.shape
+                    np.testing.assert_array_equal(x, y)
+                else:
+                    assert x == y
