@@ -9,6 +9,7 @@ follows; then, with --loop, the engine serves until the test kills a process.
 
 import json
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +32,11 @@ CASES = {  # name: (mesh's "model" size, kv, how); one kv, so the processes comp
 }
 ENGINE_CASES = {"engine_model4": 4, "engine_data2_model2": 2}  # name: the "model" size
 # (prompt tokens, max_new_tokens), arriving two at a time, two steps apart; the third is
-# prefilled in two chunks, and 8 pages of 32 tokens for 4 slots make the engine preempt
+# prefilled in two chunks, and 6 pages of 32 tokens for 4 slots make the engine preempt
 REQUESTS = [(25, 60), (30, 55), (45, 50), (20, 60), (10, 40), (28, 30)]
-ENGINE = dict(kv=kivi_jax.KiviConfig(residual_length=32), slots=4, max_len=128, page_size=32,
+ENGINE = dict(kv=kivi_jax.KiviConfig(residual_length=32), slots=4, max_len=96, page_size=32,
               prefill_chunk=32, decode_steps=4)  # fmt: skip
-PAGES = 8
+PAGES = 6
 
 
 def request_prompts() -> list[np.ndarray]:
@@ -83,12 +84,14 @@ def main(process_id: str, num_processes: str, port: str, out: str, saved: str, *
     print("cases done", flush=True)
     served = {}
     for name, model in ENGINE_CASES.items():
+        t0 = time.perf_counter()
         e = engine(distributed.global_mesh(model))
         if leader:
-            served[name] = serve(e)
+            served[name] = {"tokens": serve(e), "preemptions": e.stats().preemptions}
             e.stop()
         else:
             e.follow()
+        print(f"{name} in {time.perf_counter() - t0:.1f} s", flush=True)
     if leader:
         with open(f"{out}/engine.json", "w") as f:
             json.dump(served, f)
