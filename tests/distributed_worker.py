@@ -1,10 +1,11 @@
 """One process of a multi-process run (kivi_jax.distributed), started twice by
 tests/test_distributed.py with 2 host devices each: the same calls in both processes, each
-writing the tokens it reads back to OUT/tokens_<process id>.npz; then the engine on each mesh
-of ENGINE_CASES, process 0 serving REQUESTS (its tokens to OUT/engine.json) while process 1
-follows; then, with --loop, the engine serves until the test kills a process.
+writing the tokens it reads back to OUT/tokens_<process id>.npz; then the engine on the meshes
+of ENGINES (names of ENGINE_CASES, comma-separated), process 0 serving REQUESTS (its tokens to
+OUT/engine.json) while process 1 follows; then, with --loop, the engine serves until the test
+kills a process.
 
-  python tests/distributed_worker.py PROCESS_ID NUM_PROCESSES PORT OUT SAVED_MODEL [--loop]
+  python tests/distributed_worker.py PROCESS_ID NUM_PROCESSES PORT OUT SAVED_MODEL ENGINES [--loop]
 """
 
 import json
@@ -76,16 +77,17 @@ def run(model: int, kv: str, how: str, saved: str) -> np.ndarray:
     return np.asarray(kivi_jax.generate(tiny_params(), PROMPTS, **kw))
 
 
-def main(process_id: str, num_processes: str, port: str, out: str, saved: str, *loop: str):
+def main(process_id: str, num_processes: str, port: str, out: str, saved: str, engines: str,
+         *loop: str):  # fmt: skip
     distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
     leader = process_id == "0"
     tokens = {name: run(*case, saved) for name, case in CASES.items()}
     np.savez(f"{out}/tokens_{process_id}.npz", **tokens)
     print("cases done", flush=True)
     served = {}
-    for name, model in ENGINE_CASES.items():
+    for name in engines.split(","):
         t0 = time.perf_counter()
-        e = engine(distributed.global_mesh(model))
+        e = engine(distributed.global_mesh(ENGINE_CASES[name]))
         if leader:
             served[name] = {"tokens": serve(e), "preemptions": e.stats().preemptions}
             e.stop()

@@ -151,6 +151,10 @@ class _PromptScores:
     last: bool
 
 
+# Engine's method of each operation, by its value (a tuple: indexing it by an Op is C-fast)
+_OP_METHODS = tuple(f"_op_{op.name.lower()}" for op in sorted(Op))
+
+
 def _logprob(scores, at, token: int, k: int) -> Logprob:
     """The Logprob of `token` at index `at` of read-back TokenLogprobs, with k alternatives."""
     ids, lps = scores.top_ids[at][:k].tolist(), scores.top_logprobs[at][:k].tolist()
@@ -490,7 +494,7 @@ class Engine:
             if self.failure is not None:
                 raise EngineError(f"the engine stopped after a fault: {self.failure!r}")
             if self._across and self._ops is None:
-                raise RuntimeError("the engine is stopped (its other processes returned)")
+                raise EngineError("the engine is stopped (its other processes returned)")
             try:
                 self._cancelled()
                 self._admit()
@@ -1275,7 +1279,7 @@ class Engine:
             self._ops.append((op, *args))
 
     def _run(self, op: Op, *args) -> None:
-        getattr(self, f"_op_{op.name.lower()}")(*args)
+        getattr(self, _OP_METHODS[op])(*args)
 
     def _send(self, reads: int) -> None:
         """(Process 0 across processes.) The step's plan to every process, then its operations
