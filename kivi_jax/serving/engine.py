@@ -519,7 +519,8 @@ class Engine:
 
     def stop(self, timeout: float | None = None, cancel: bool = True) -> None:
         """Stops accepting requests; cancels (or, cancel=False, finishes) those in flight and
-        waits for the background thread."""
+        waits for the background thread. Across processes, process 0's stop then ends the
+        others' follow() (unless the engine broke)."""
         with self._lock:
             self._accepting = False
             if cancel:
