@@ -17,6 +17,7 @@ sending heartbeats): <process ids>"). There is no recovery: the group is started
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -89,3 +90,37 @@ def to_host(x: jax.Array) -> np.ndarray:
 @functools.lru_cache(maxsize=16)
 def _replicator(sharding: NamedSharding):
     return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def to_host_copy(tree):
+    """`tree`'s arrays in host memory, to be put back where they were by `from_host_copy`:
+    whole (jax.device_get) where this process holds them, else its own shards only."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree)
+    return jax.tree.map(_HostShards.of, tree), None
+
+
+def from_host_copy(copy):
+    """The arrays of `to_host_copy` back on their devices, in their shardings."""
+    tree, where = copy
+    if where is not None:
+        return jax.device_put(tree, where)
+    return jax.tree.map(lambda x: x.put(), tree, is_leaf=lambda x: isinstance(x, _HostShards))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostShards:
+    """A global array's shards on this process's devices, in host memory."""
+
+    shape: tuple[int, ...]
+    sharding: jax.sharding.Sharding
+    shards: tuple  # ((device, np.ndarray), ...)
+
+    @classmethod
+    def of(cls, x: jax.Array) -> _HostShards:
+        shards = tuple((s.device, np.asarray(s.data)) for s in x.addressable_shards)
+        return cls(x.shape, x.sharding, shards)
+
+    def put(self) -> jax.Array:
+        arrays = [jax.device_put(data, device) for device, data in self.shards]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)

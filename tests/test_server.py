@@ -776,6 +776,38 @@ def test_a_port_in_use_ends_the_command_at_once(tiny_dir, capsys):
     assert f"kivi-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
 
 
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_kivi_serve_across_processes_serves_http_in_process_0_only(tiny_dir, monkeypatch,
+                                                                  process_id):  # fmt: skip
+    """--coordinator, --num-processes, --process-id go to distributed.initialize; process 0
+    listens and serves; another opens no port, builds the same engine on the global mesh,
+    warms it up and follows it. (The processes themselves: tests/test_distributed.py.)"""
+    import jax
+
+    from kivi_jax import distributed
+    from kivi_jax.serving import Engine, server
+
+    joined, calls = [], []
+    monkeypatch.setattr(distributed, "initialize", lambda *a: joined.append(a))
+    monkeypatch.setattr(jax, "process_index", lambda: process_id)
+    monkeypatch.setattr(Engine, "warmup", lambda e: calls.append("warmup"))
+    monkeypatch.setattr(Engine, "follow", lambda e: calls.append(("follow", e.mesh.shape)))
+    monkeypatch.setattr(server, "create_app", lambda engine, *a, **kw: calls.append("app"))
+    monkeypatch.setattr(server, "serve", lambda app, sock, **kw: sock.close() or 0)
+    opened = []
+    listen = server._listen
+    monkeypatch.setattr(server, "_listen", lambda *a: opened.append(a) or listen(*a))
+    argv = ["--model", tiny_dir, "--max-len", "64", "--slots", "2", "--port", "0",
+            "--no-compilation-cache", "--coordinator", "127.0.0.1:1234", "--num-processes", "2",
+            "--process-id", str(process_id)]  # fmt: skip
+    assert server.main(argv) == 0
+    assert joined == [("127.0.0.1:1234", 2, process_id)]
+    if process_id == 0:
+        assert len(opened) == 1 and calls == ["app"]
+    else:
+        assert opened == [] and calls == ["warmup", ("follow", {"model": 1})]
+
+
 # -------------------------------------------------------------------------------- the CLI
 
 
@@ -787,12 +819,13 @@ def test_cli_options_state_their_defaults():
         "--model", "--kv", "--dtype", "--slots", "--max-len", "--max-queue", "--prefill-chunk",
         "--host", "--port", "--shutdown-timeout", "--tensor-parallel", "--memory-budget",
         "--no-compilation-cache", "--kv-bytes", "--page-size", "--prefix-sharing",
+        "--distributed", "--coordinator", "--num-processes", "--process-id",
     }  # fmt: skip
     for a in actions:
         if a.dest == "no_compilation_cache":  # a switch: its default is the cache on
             assert "(default: the cache is on)" in a.help
             continue
-        if a.dest == "prefix_sharing":  # a switch, off unless given
+        if a.dest in ("prefix_sharing", "distributed"):  # a switch, off unless given
             assert "(default: off)" in a.help
             continue
         shown = f"{a.default:g}" if isinstance(a.default, float) else a.default

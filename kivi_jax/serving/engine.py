@@ -6,6 +6,11 @@ the pool); the host side here (`Engine`) is the scheduler: a bounded FIFO queue,
 bookkeeping (`kivi_jax.serving.pool`), preemption, and the tokens read back one decode call late
 (the next call is dispatched before the previous one's tokens are read), so the device never
 waits for the host between calls. A request's handle is `kivi_jax.serving.handle`.
+
+Every device call the scheduler decides is an operation (`Engine._op_*`, named by
+`kivi_jax.serving.plan.Op`) with host arguments only: in one process it runs as it is decided;
+on a mesh across processes process 0 collects a step's operations into the step's plan,
+broadcasts it, and every process runs it (`follow()` in the others).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from kivi_jax import paged, sharding
+from kivi_jax import distributed, paged, sharding
 from kivi_jax.config import KiviConfig
 from kivi_jax.generate import PROMPT_BUCKET, RowSampling, Sampling, resolve_kv
 from kivi_jax.memory import memory_report
 from kivi_jax.models.llama import LlamaParams
-from kivi_jax.serving import programs, sizing
+from kivi_jax.serving import plan, programs, sizing
 from kivi_jax.serving.handle import EngineError, Logprob, QueueFullError, RequestHandle
+from kivi_jax.serving.plan import Op
 from kivi_jax.serving.pool import PagePool
 from kivi_jax.serving.programs import (
     MAX_LOGPROBS,
@@ -112,41 +118,41 @@ class _LongPrompt:
     request: RequestHandle
     slot: int
     offset: int
-    caches: tuple  # its one-row KV state so far
 
 
 @dataclasses.dataclass
 class _Preempted:
-    """A preempted request: its row as programs.save_row returns it (its caches contiguous),
-    in host memory, with where that program put it on the device (so that restore_row runs the
-    program warmup compiled), and the tokens the row holds at most."""
+    """A preempted request (its row in host memory: Engine._saved[request.id]) and the tokens
+    the row holds at most."""
 
     request: RequestHandle
-    saved: SlotState
-    where: SlotState  # the shardings of save_row's outputs
     held: int
 
 
 @dataclasses.dataclass
 class _Tokens:
-    """Tokens on the device, not yet read: (tokens int32 [rows, n], their TokenLogprobs or
-    None), and whose they are: {slot: (its request, its row)}."""
+    """Tokens on the device, not yet read (the matching entry of Engine._results: tokens int32
+    [rows, n], their TokenLogprobs or None), and whose they are: {slot: (its request, its
+    row)}."""
 
-    arrays: tuple
     owners: dict[int, tuple[RequestHandle, int]]
 
 
 @dataclasses.dataclass
 class _PromptScores:
     """TokenLogprobs [R, C] of a prompt chunk's `count` positions from `offset`, not yet read
-    (row 0 read); `last`: the request ends with them (max_new_tokens 0)."""
+    (the matching entry of Engine._results; row 0 read); `last`: the request ends with them
+    (max_new_tokens 0)."""
 
-    arrays: TokenLogprobs
     request: RequestHandle
     slot: int
     offset: int
     count: int
     last: bool
+
+
+# Engine's method of each operation, by its value (a tuple: indexing it by an Op is C-fast)
+_OP_METHODS = tuple(f"_op_{op.name.lower()}" for op in sorted(Op))
 
 
 def _logprob(scores, at, token: int, k: int) -> Logprob:
@@ -206,6 +212,12 @@ class Engine:
     The state is allocated by warmup() (after it has compiled every program, so that XLA's
     autotuner measures in free memory) or by the first step.
 
+    On a mesh across processes (kivi_jax.distributed) every process builds the engine with the
+    same arguments; process 0 takes the requests and schedules, each step's device operations
+    are its plan (kivi_jax.serving.plan), broadcast before any of them runs, and every other
+    process runs `follow()`, which carries out the plans as they come. A fault there is not
+    recovered: the engine breaks (docs/serving.md).
+
     Raises:
       ValueError: a bad argument, a mesh that does not fit the model or `slots` (not
         divisible by "data"): sharding.check_mesh, or slots whose state, scratch and the
@@ -260,6 +272,15 @@ class Engine:
         if slots is None and kv_bytes is not None:
             raise ValueError("kv_bytes needs slots (slots=None sizes both to the device)")
         mesh = sharding.mesh_for(params, mesh)
+        # the processes of a mesh across several: 0 schedules and sends each step's plan
+        self._across = mesh is not None and any(
+            d.process_index != jax.process_index() for d in mesh.devices.flat
+        )
+        if self._across and slots is None:
+            raise ValueError(
+                "slots=None sizes the engine to this process's devices; on a mesh across "
+                "processes pass slots (every process must build the same engine)"
+            )
         if mesh is not None:
             sharding.check_mesh(mesh, c, batch=None if slots is None else int(slots))
             params = sharding.shard_params(params, mesh)
@@ -333,8 +354,19 @@ class Engine:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._occupant: list[RequestHandle | None] = [None] * self.slots
         self._long: _LongPrompt | None = None
-        # device results not yet read, in order: _Tokens and _PromptScores
+        # device results not yet read, in order: _Tokens and _PromptScores (process 0), and
+        # their arrays (every process: what the device operations returned, one entry each)
         self._events: collections.deque = collections.deque()
+        self._results: collections.deque = collections.deque()
+        # the device side of the operations (Engine._op_*): the last prefill_batch's (logits,
+        # states), a long prompt's one-row state and last logits, preempted rows in host memory
+        self._batch: tuple | None = None
+        self._long_row: tuple | None = None
+        self._long_logits: jax.Array | None = None
+        self._saved: dict[int, tuple] = {}
+        # across processes, process 0's operations of the step not yet sent (None: run at once)
+        self._ops: list[tuple] | None = [] if self._across else None
+        self._codec = plan.Codec((self.slots, self._max_pages))
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
@@ -376,6 +408,10 @@ class Engine:
           logits), whatever its length.
         max_new_tokens: 0 generates nothing: the request ends once its prompt's logprobs are
           read, or without prompt_logprobs at once (finish_reason "length")."""
+        if self._across and jax.process_index() != 0:
+            raise RuntimeError(
+                f"process {jax.process_index()} follows process 0, which takes the requests"
+            )
         V = self.params.config.vocab_size
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
@@ -457,10 +493,14 @@ class Engine:
                 self._allocate_or_break()
             if self.failure is not None:
                 raise EngineError(f"the engine stopped after a fault: {self.failure!r}")
+            if self._across and self._ops is None:
+                raise EngineError("the engine is stopped (its other processes returned)")
             try:
                 self._cancelled()
                 self._admit()
                 dispatched = self._decode_call()
+                if self._ops is not None:
+                    self._send(reads=max(len(self._events) - (1 if dispatched else 0), 0))
                 self._drain(keep=1 if dispatched else 0)
             except Exception as e:  # a fault none of the above could place: nothing is trusted
                 self._break(e)
@@ -479,7 +519,8 @@ class Engine:
 
     def stop(self, timeout: float | None = None, cancel: bool = True) -> None:
         """Stops accepting requests; cancels (or, cancel=False, finishes) those in flight and
-        waits for the background thread."""
+        waits for the background thread. Across processes, process 0's stop then ends the
+        others' follow() (unless the engine broke)."""
         with self._lock:
             self._accepting = False
             if cancel:
@@ -498,6 +539,10 @@ class Engine:
         else:  # steps until what was in flight is freed (none: no step, so no wait on warmup)
             while self.failure is None and self._busy() and self.step():
                 pass
+        if self._ops is not None and self.failure is None:  # the followers return
+            with self._step_lock:
+                plan.send(self._codec.encode([*self._ops, (Op.STOP,)]))
+                self._ops = None
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the background thread ends: after stop(), or after a fault the engine
@@ -743,16 +788,11 @@ class Engine:
         row = programs.empty_row(self.params, kv=self.kv, max_len=self.max_len)
         return row if self.mesh is not None else jax.device_put(row, self._devices[0])
 
-    def _prefix_row(self, slot: int, tokens: int):
-        """The one-row state of the slot's shared prefix (its first `tokens` tokens) and the
-        scratch holding its keys and values (programs.shared_prefix)."""
+    def _prefix_pages(self, slot: int) -> np.ndarray:
+        """int32 [1, M]: the slot's shared prefix's pages, then NO_PAGE."""
         pages = np.full((1, self._max_pages), paged.NO_PAGE, np.int32)
         pages[0, : self._shared[slot]] = self._pages.table[slot, : self._shared[slot]]
-        self._scratch, row = programs.shared_prefix(
-            self.params, self._pool, pages, np.int32(tokens), self._scratch, kv=self.kv,
-            max_len=self.max_len, layout=self._layout,
-        )  # fmt: skip
-        return row
+        return pages
 
     def _bucket(self, n: int) -> int:
         return next(w for w in self._buckets() if w >= n)
@@ -817,8 +857,7 @@ class Engine:
         dispatch is made without the lock, so that submit() and stats() never wait on the
         device)."""
         try:
-            self._state = programs.reset(self.params, self._state, np.int32(slot), kv=self.kv,
-                                 layout=self._layout)  # fmt: skip
+            self._do(Op.RESET, slot)
         except Exception as e:  # the state was donated: it is lost
             self._state_fault(e)
             return
@@ -833,15 +872,21 @@ class Engine:
             self._free(slot)
             return
         with self._lock:
+            dropped = [p for p in self._preempted if p.request is h]
             self._preempted = collections.deque(p for p in self._preempted if p.request is not h)
+        for p in dropped:
+            self._do(Op.DROP, p.request.id)
 
     def _cancelled(self) -> None:
         with self._lock:
             for h in [*self._occupant, *(p.request for p in self._preempted)]:
                 if h is not None and h._cancel and not h.done:
                     self._end(h, "cancelled")
+            dropped = [p for p in self._preempted if p.request.done]
             self._preempted = collections.deque(p for p in self._preempted if not p.request.done)
             done = [s for s, h in enumerate(self._occupant) if h is not None and h.done]
+        for p in dropped:
+            self._do(Op.DROP, p.request.id)
         for slot in done:
             if self._long is not None and self._long.slot == slot:
                 self._long = None
@@ -911,20 +956,12 @@ class Engine:
         the calls made before), the slot freed. False if the state was lost on the way."""
         h = self._occupant[slot]
         try:
-            saved = programs.save_row(
-                self._state,
-                self._pool,
-                self._pages.table.copy(),
-                np.int32(slot),
-                layout=self._layout,
-            )
-            where = jax.tree.map(lambda x: x.sharding, saved)
-            saved = jax.device_get(saved)
+            self._do(Op.SAVE, self._pages.table.copy(), slot, h.id)
         except Exception as e:  # a call before it failed: the state is not trusted
             self._state_fault(e)
             return False
         with self._lock:
-            self._preempted.append(_Preempted(h, saved, where, self._bound[slot]))
+            self._preempted.append(_Preempted(h, self._bound[slot]))
             self._preemptions += 1
         self._free(slot)
         return self._state is not None
@@ -941,11 +978,7 @@ class Engine:
                     return False
                 self._preempted.popleft()
             try:
-                self._state, self._pool = programs.restore_row(
-                    self._state, self._pool, self._pages.table.copy(),
-                    jax.device_put(p.saved, p.where), np.int32(slot),
-                    mesh=self.mesh, layout=self._layout,
-                )  # fmt: skip
+                self._do(Op.RESTORE, self._pages.table.copy(), slot, p.request.id)
             except Exception as e:
                 self._request_fault(p.request, slot, e)
         return True
@@ -982,12 +1015,15 @@ class Engine:
                 continue
             shared = self._shared[slot] * self._layout.page_size
             try:
-                row = self._new_row() if not shared else self._prefix_row(slot, shared)
+                if shared:
+                    self._do(Op.PREFIX_ROW, self._prefix_pages(slot), shared)
+                else:
+                    self._do(Op.NEW_ROW)
             except Exception as e:
                 self._request_fault(h, slot, e)
                 continue
             self._hit_tokens += shared
-            self._long = _LongPrompt(request=h, slot=slot, offset=shared, caches=row)
+            self._long = _LongPrompt(request=h, slot=slot, offset=shared)
 
     def _take_batch(self, free: list[int], budget: int) -> list[tuple[RequestHandle, int]]:
         """(Under the lock.) The short prompts at the queue's head that one batched call of at
@@ -1018,19 +1054,18 @@ class Engine:
             tokens[i, : len(h._prompt)], lengths[i] = h._prompt, len(h._prompt)
         cost = rows // programs.prompt_rows(self.params) * width
         try:
-            logits, states = programs.prefill_batch(self.params, tokens, lengths, kv=self.kv,
-                                            max_len=self.max_len)  # fmt: skip
+            self._do(Op.PREFILL, tokens, lengths)
         except Exception as e:
             for h, slot in batch:
                 self._request_fault(h, slot, e)
             return cost
         self._prefill_calls += 1
         self._computed += int(lengths[: len(batch)].sum())
-        for (h, slot), row_logits, row in zip(batch, logits, states, strict=False):
+        for i, (h, slot) in enumerate(batch):
             if h.done:  # ended by a fault of the state in an earlier insert
                 continue
             try:
-                self._insert(h, slot, row, row_logits)
+                self._insert(h, slot, i)
             except Exception as e:
                 self._request_fault(h, slot, e)
         return cost
@@ -1042,47 +1077,40 @@ class Engine:
         r = programs.prompt_rows(self.params)
         tokens = np.zeros((r, C), np.int32)
         tokens[:, : len(part)] = part
-        args = (self.params, tokens, np.int32(lp.offset), np.full(r, len(part), np.int32),
-                self._scratch, lp.caches)  # fmt: skip
+        following = None
+        if h._prompt_logprobs:
+            following = np.zeros((r, C), np.int32)
+            after = h._prompt[lp.offset + 1 : lp.offset + C + 1]
+            following[:, : len(after)] = after
         try:
-            if h._prompt_logprobs:
-                following = np.zeros((r, C), np.int32)
-                after = h._prompt[lp.offset + 1 : lp.offset + C + 1]
-                following[:, : len(after)] = after
-                logits, self._scratch, lp.caches, scores = programs.echo_chunk(*args, following)
-                jax.tree.map(lambda x: x.copy_to_host_async(), scores)
-            else:
-                logits, self._scratch, lp.caches = programs.prefill_chunk(*args)
+            self._do(Op.CHUNK, tokens, lp.offset, np.full(r, len(part), np.int32), following)
             self._prefill_calls += 1
             self._computed += len(part)
             offset, lp.offset = lp.offset, lp.offset + len(part)
             last = lp.offset == len(h._prompt)
             if h._prompt_logprobs:
                 ends = last and h._max_new == 0
-                self._events.append(_PromptScores(scores, h, lp.slot, offset, len(part), ends))
+                self._events.append(_PromptScores(h, lp.slot, offset, len(part), ends))
             if last:
                 self._long = None
                 if h._max_new > 0:
-                    self._insert(h, lp.slot, lp.caches, logits)
+                    self._insert(h, lp.slot, -1)
         except Exception as e:
             self._long = None
             self._request_fault(h, lp.slot, e)
 
-    def _insert(self, h: RequestHandle, slot: int, row, logits) -> None:
+    def _insert(self, h: RequestHandle, slot: int, source: int) -> None:
+        """The request's prefilled row (row `source` of the last batch, -1 the long prompt's)
+        into `slot`."""
         s = h._sampling
         stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
         stops[0, : len(h._stops)] = h._stops
-        prompted = np.zeros((1, self.params.config.vocab_size), bool)
-        prompted[0, h._prompt] = True
         table = self._pages.table.copy()
         table[slot, : self._shared[slot]] = paged.NO_PAGE  # shared pages are not written
-        self._state, self._pool, first, scores = programs.insert_row(
-            self._state, self._pool, table, row, logits, RowSampling.of([s]),
-            prompted, np.array([h._max_new], np.int32), stops, np.int32(slot),
-            sampled=s.temperature > 0, mesh=self.mesh, layout=self._layout,
-        )  # fmt: skip
-        jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
-        self._events.append(_Tokens((first, scores), {slot: (h, 0)}))
+        rows = jax.tree.leaves(RowSampling.of([s]))
+        self._do(Op.INSERT, table, source, slot, h._prompt, np.array([h._max_new], np.int32),
+                 stops, s.temperature > 0, *rows)  # fmt: skip
+        self._events.append(_Tokens({slot: (h, 0)}))
         if self.prefix_sharing:  # its prompt's pages R tokens behind its end are final
             r = 0 if self.kv is None else self.kv.residual_length
             with self._lock:
@@ -1104,11 +1132,7 @@ class Engine:
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
         extras = any(h is not None and h._extras for h in live)
         try:
-            self._state, self._pool, out, scores = programs.decode(
-                self.params, self._state, self._pool, self._pages.table.copy(),
-                steps=self.decode_steps, sampled=sampled, extras=extras, layout=self._layout,
-            )  # fmt: skip
-            jax.tree.map(lambda x: x.copy_to_host_async(), (out, scores))
+            self._do(Op.DECODE, self._pages.table.copy(), sampled, extras)
         except Exception as e:
             self._state_fault(e)
             return False
@@ -1116,17 +1140,19 @@ class Engine:
             for s in self._decoding():
                 self._bound[s] = self._first_tokens(self._occupant[s], self._bound[s])
         owners = {s: (h, s) for s, h in enumerate(live) if h is not None}
-        self._events.append(_Tokens((out, scores), owners))
+        self._events.append(_Tokens(owners))
         self._decode_calls += 1
         return True
 
     def _drain(self, keep: int) -> None:
         """Reads back all but the `keep` newest device results, in order."""
         while len(self._events) > keep:
-            event = self._events.popleft()
+            event, arrays = self._events.popleft(), self._results.popleft()
             try:
-                arrays = jax.tree.map(np.asarray, event.arrays)
+                arrays = jax.tree.map(distributed.to_host, arrays)
             except Exception as e:  # the program failed on the device
+                if self._across:  # no process recovers alone
+                    raise
                 if isinstance(event, _PromptScores):  # the request's own chunk
                     if self._long is not None and self._long.request is event.request:
                         self._long = None
@@ -1198,7 +1224,10 @@ class Engine:
                         self._end(h, "error", error)
                     self._occupant[s] = None
                     self._pages.release(s)
-        self._events = collections.deque(e for e in self._events if isinstance(e, _PromptScores))
+        kept = [(e, r) for e, r in zip(self._events, self._results, strict=True)
+                if isinstance(e, _PromptScores)]  # fmt: skip
+        self._events = collections.deque(e for e, _ in kept)
+        self._results = collections.deque(r for _, r in kept)
         lost, self._state, self._pool = (self._state, self._pool), None, None
         for x in jax.tree.leaves(lost):
             if not x.is_deleted():
@@ -1225,7 +1254,123 @@ class Engine:
             self._preempted.clear()
             self._occupant = [None] * self.slots
             self._work.notify_all()
-        self._long, self._events = None, collections.deque()
+        self._long, self._events, self._results = None, collections.deque(), collections.deque()
+
+    # ------------------------------------------------------------------------- device operations
+
+    def follow(self) -> None:
+        """(A process other than 0 on a mesh across processes.) Carries out the plans of
+        process 0's steps as they come, until its engine stops (then returns). A fault raises:
+        the process should exit, which ends the others (kivi_jax.distributed)."""
+        if not self._across or jax.process_index() == 0:
+            raise RuntimeError("follow() is for the processes other than 0 of a mesh across them")
+        while True:
+            self._allocate()
+            for op, *args in self._codec.decode(plan.receive()):
+                if op == Op.STOP:
+                    return
+                self._run(op, *args)
+
+    def _do(self, op: Op, *args) -> None:
+        """The device operation `op` (Engine._op_<name>): run now, or across processes kept
+        for the step's plan."""
+        if self._ops is None:
+            self._run(op, *args)
+        else:
+            self._ops.append((op, *args))
+
+    def _run(self, op: Op, *args) -> None:
+        getattr(self, _OP_METHODS[op])(*args)
+
+    def _send(self, reads: int) -> None:
+        """(Process 0 across processes.) The step's plan to every process, then its operations
+        run here too; `reads`: the device results the step reads back."""
+        ops, self._ops = self._ops, []
+        plan.send(self._codec.encode([*ops, (Op.READ, reads)]))
+        for op, *args in ops:
+            self._run(op, *args)
+
+    def _op_reset(self, slot: int) -> None:
+        self._state = programs.reset(self.params, self._state, np.int32(slot), kv=self.kv,
+                                     layout=self._layout)  # fmt: skip
+
+    def _op_save(self, table: np.ndarray, slot: int, key: int) -> None:
+        """Row `slot` (its pages gathered) to host memory, where restore finds it by `key`:
+        with where save_row put it (so that restore_row runs the program warmup compiled)."""
+        saved = programs.save_row(self._state, self._pool, table, np.int32(slot),
+                                  layout=self._layout)  # fmt: skip
+        self._saved[key] = distributed.to_host_copy(saved)
+
+    def _op_restore(self, table: np.ndarray, slot: int, key: int) -> None:
+        saved = distributed.from_host_copy(self._saved.pop(key))
+        self._state, self._pool = programs.restore_row(
+            self._state, self._pool, table, saved, np.int32(slot), mesh=self.mesh,
+            layout=self._layout,
+        )  # fmt: skip
+
+    def _op_drop(self, key: int) -> None:
+        self._saved.pop(key, None)
+
+    def _op_prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self._batch = None  # the last batch's rows are inserted: freed before the next
+        self._batch = programs.prefill_batch(self.params, tokens, lengths, kv=self.kv,
+                                             max_len=self.max_len)  # fmt: skip
+
+    def _op_new_row(self) -> None:
+        self._long_row = self._new_row()
+
+    def _op_prefix_row(self, pages: np.ndarray, tokens: int) -> None:
+        """The one-row state of a shared prefix (its first `tokens` tokens, in `pages`) and
+        the scratch holding its keys and values (programs.shared_prefix)."""
+        self._scratch, self._long_row = programs.shared_prefix(
+            self.params, self._pool, pages, np.int32(tokens), self._scratch, kv=self.kv,
+            max_len=self.max_len, layout=self._layout,
+        )  # fmt: skip
+
+    def _op_chunk(self, tokens, offset: int, count, following) -> None:
+        """The long prompt's next chunk; with `following` (its prompt logprobs asked) its
+        TokenLogprobs are a result to read."""
+        args = (self.params, tokens, np.int32(offset), count, self._scratch, self._long_row)
+        if following is None:
+            self._long_logits, self._scratch, self._long_row = programs.prefill_chunk(*args)
+            return
+        self._long_logits, self._scratch, self._long_row, scores = programs.echo_chunk(
+            *args, following
+        )
+        jax.tree.map(lambda x: x.copy_to_host_async(), scores)
+        self._results.append(scores)
+
+    def _op_insert(self, table, source: int, slot: int, prompt, limit, stops, sampled: int,
+                   *rows) -> None:  # fmt: skip
+        """Row `source` of the last batch (-1: the long prompt's row) into `slot`; its first
+        token is a result to read."""
+        if source < 0:
+            row, logits = self._long_row, self._long_logits
+            self._long_row = self._long_logits = None
+        else:
+            row, logits = self._batch[1][source], self._batch[0][source]
+        prompted = np.zeros((1, self.params.config.vocab_size), bool)
+        prompted[0, prompt] = True
+        self._state, self._pool, first, scores = programs.insert_row(
+            self._state, self._pool, table, row, logits, RowSampling(*rows), prompted, limit,
+            stops, np.int32(slot), sampled=bool(sampled), mesh=self.mesh, layout=self._layout,
+        )  # fmt: skip
+        jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
+        self._results.append((first, scores))
+
+    def _op_decode(self, table, sampled: int, extras: int) -> None:
+        self._state, self._pool, out, scores = programs.decode(
+            self.params, self._state, self._pool, table, steps=self.decode_steps,
+            sampled=bool(sampled), extras=bool(extras), layout=self._layout,
+        )  # fmt: skip
+        jax.tree.map(lambda x: x.copy_to_host_async(), (out, scores))
+        self._results.append((out, scores))
+
+    def _op_read(self, n: int) -> None:
+        """(The processes other than 0.) The n oldest results read back as process 0 reads
+        them (a global array's read is a program every process runs)."""
+        for _ in range(n):
+            jax.tree.map(distributed.to_host, self._results.popleft())
 
     def _loop(self) -> None:
         while True:

@@ -716,6 +716,37 @@ def _parser() -> argparse.ArgumentParser:
         "free; more fills the slots sooner, at a longer time per output token meanwhile "
         "(default: 8 x the chunk, about one chunk per decode step)",
     )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one process of a run across hosts (docs/scaling.md): process 0 serves HTTP, the "
+        "others follow its engine; the coordinator, process count and id from the three "
+        "options below or, where they are not given, from the environment jax.distributed "
+        "reads (SLURM, Open MPI, a Cloud TPU slice, JAX_COORDINATOR_ADDRESS...); the mesh is "
+        "every process's devices, --tensor-parallel devices a row (default: off)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address, where the others join (implies --distributed) "
+        "(default: from the environment)",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes of the run, one per host (implies --distributed) "
+        "(default: from the environment)",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        metavar="I",
+        help="this process's id in [0, N) (implies --distributed) (default: from the environment)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument(
@@ -737,15 +768,26 @@ def main(argv: list[str] | None = None) -> int:
     from kivi_jax.serving import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    try:
-        sock = _listen(args.host, args.port)
-    except OSError as e:
-        sys.stderr.write(f"kivi-serve: error: {e}\n")
-        return 2
+    joined = (args.coordinator, args.num_processes, args.process_id)
+    across = args.distributed or any(x is not None for x in joined)
+    if across:  # before anything touches a device
+        import jax
+
+        from kivi_jax import distributed
+
+        distributed.initialize(*joined)
+    leader = not across or jax.process_index() == 0
+    sock = None
+    if leader:
+        try:
+            sock = _listen(args.host, args.port)
+        except OSError as e:
+            sys.stderr.write(f"kivi-serve: error: {e}\n")
+            return 2
     if not args.no_compilation_cache:
         _use_compilation_cache()
     try:
-        mesh = mesh_from_args(args)
+        mesh = distributed.global_mesh(args.tensor_parallel) if across else mesh_from_args(args)
         model = load_model_from_args(args, mesh=mesh)
         engine = Engine(
             model.params, kv=args.kv, slots=args.slots, max_len=args.max_len,
@@ -757,9 +799,15 @@ def main(argv: list[str] | None = None) -> int:
             memory_budget=None if args.memory_budget is None else int(args.memory_budget * 1e9),
         )  # fmt: skip
     except (ModelLoadError, ValueError) as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         sys.stderr.write(f"kivi-serve: error: {e}\n")
         return 2
+    if not leader:  # no HTTP here: the engine's plans come from process 0
+        log.info("process %d follows process 0", jax.process_index())
+        engine.warmup()
+        engine.follow()
+        return 0
 
     name = os.path.splitext(os.path.basename(os.path.normpath(model.source)))[0]
     app = create_app(

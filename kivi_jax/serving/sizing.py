@@ -129,7 +129,9 @@ def temp_bytes(compiled) -> int:
 
 
 def _stats(devices) -> list[dict]:
-    return [s for s in (d.memory_stats() for d in devices) if s]
+    """The allocator statistics of this process's `devices` (a process reads only its own)."""
+    mine = (d for d in devices if d.process_index == jax.process_index())
+    return [s for s in (d.memory_stats() for d in mine) if s]
 
 
 def _size(n: int) -> str:
