@@ -1,23 +1,35 @@
 """Serving under load: the continuous-batching engine (kivi_jax.serving.Engine) fed a bounded
-stream of requests, for each cache at the number of slots that fits one memory budget (the
-engine's own sizing, `Engine(slots=None, memory_budget=)`: docs/serving.md).
+stream of requests, for each cache in two layouts of its KV state at one budget of KV bytes
+(below), or at the number of slots that fits one memory budget (the engine's own sizing,
+`Engine(slots=None, memory_budget=)`: docs/serving.md).
 
 Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation; "seq":
 one after another, each sent when the one before has finished), with prompt and output lengths
 drawn uniformly from the given ranges with a fixed seed (or read from a JSON file of [prompt,
-output] pairs); the run ends when all of them have finished. Per rate:
-requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
-mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
-rate (prompt tokens/s of requests run alone) and the decode rate with every slot live (the
-engine's decode program at the mean context, `decode_rate`), from
-which the saturation throughput is predicted (`predicted_out_tok_per_s`, the engine spending
-P/prefill + O/decode seconds per request of P prompt and O output tokens, the mean lengths);
-and, at a fixed batch, the engine's decode tokens/s beside `generate`'s on the same batch (the
-wall-clock of each one's decode program; `decode_rate` says why not of requests).
+output] pairs); the run ends when all of them have finished. Per rate: requests/s, output
+tokens/s, time to first token and time per output token (p50/p90/p99), the mean number of live
+requests (slots holding one), preemptions and peak memory. Per cache and layout, measured in
+the same process: the prefill rate (prompt tokens/s of requests run alone) and the decode rate
+with every slot live (as many as the pool holds at the mean context; the engine's decode
+program, `decode_rate`), from which the saturation throughput is predicted
+(`predicted_out_tok_per_s`, the engine spending P/prefill + O/decode seconds per request of P
+prompt and O output tokens, the mean lengths); and, at a fixed batch, the engine's decode
+tokens/s beside `generate`'s on the same batch (the wall-clock of each one's decode program;
+`decode_rate` says why not of requests).
 
-    python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
+    # the CPU rows of cpu-s62 in benchmarks/results/serve.md (default model, float32; 23
+    # minutes on the 2-core CPU shared with other jobs, 12 of them CPU time)
+    python benchmarks/serve.py run --model default --kvs kivi2 --slots 4 --max-len 2048 \\
+        --requests 16 --rates inf --prompt-range 32 96 --output-range 16 32 --overhead-batch 4 \\
+        --shared-requests 8 --prefill-chunk 256 --call cpu-s62 --out DIR
+    # a GPU (random bf16 weights of Llama-2-7B's shape): 30 GB of KV state for both layouts;
+    # within a device call's 10 minutes, one layout a call into the same DIR (`--layouts slot`,
+    # then `--layouts paged --shared-requests 0`)
+    python benchmarks/serve.py run --model Llama-2-7B --kvs kivi2 --budget-gb 70 \\
+        --kv-bytes-gb 30 --requests 160 --rates 3 inf --seconds 15 --call NAME --out DIR
     python benchmarks/serve.py run --model default --slots 8 --requests 8 --rates seq inf \\
-        --prompt-range 32 96 --output-range 64 64 --http --out DIR    # the CPU, through HTTP too
+        --prompt-range 32 96 --output-range 64 64 --layouts slot --shared-requests 0 --http \\
+        --out DIR    # the CPU, through HTTP too
     python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
 
 Each cache runs in each of two layouts of the engine's KV state at one budget of KV bytes
@@ -676,7 +688,13 @@ def versions() -> dict:
 
 def _one(args, kv: str, layout: str, path: Path) -> None:
     """measure_kv (or measure_shared, layout "shared") in a process of its own (spawned: its
-    device memory is its own)."""
+    device memory is its own). The run's processes share their compiled programs through JAX's
+    persistent cache in DIR/xla: a program of the same shapes compiles once a run (the prompt
+    programs of both layouts, the shared-prefix load's all but one)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(args.out / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     args.kv = kv
     head = dict(model=args.model, kv=kv, layout=layout, call=args.call, versions=versions())
     save = lambda result: path.write_text(json.dumps(head | result, indent=1))
@@ -733,7 +751,7 @@ def merge(args) -> None:
             if r.get("overhead"):
                 o = dict(r["overhead"], **which)
                 merged["overhead"] = _replace(merged["overhead"], [o],
-                                              by("model", "kv", "device"))  # fmt: skip
+                                              by("model", "kv", "layout", "device"))  # fmt: skip
             if r.get("programs") and rows:
                 plan = {k: rows[0][k] for k in PLAN_FIELDS}
                 c = dict(which, layout=r["layout"], warmup_s=r["warmup_s"],
