@@ -24,8 +24,8 @@ SHARED_FIELDS = {
     "ttft_p50_ms", "ttft_p99_ms", "call",
 }  # fmt: skip
 # The smoke model (benchmarks/generate_gpu.py), KIVI-2 (R = 128: pages of 128 tokens), slots of
-# 512 tokens; the shared prefix is one page, each prompt a page and a bit more after it.
-SMOKE = ["run", "--model", "smoke", "--kvs", "kivi2", "--requests", "4", "--max-len", "512",
+# 384 tokens; the shared prefix is one page, each prompt a page and a bit more after it.
+SMOKE = ["run", "--model", "smoke", "--kvs", "kivi2", "--requests", "4", "--max-len", "384",
          "--prompt-range", "8", "40", "--output-range", "3", "6", "--prefill-chunk", "64",
          "--prefill-requests", "1", "--overhead-batch", "2", "--budget-gb", "1",
          "--shared-requests", "3", "--shared-prefix", "128", "--shared-suffix-range", "130", "140",
@@ -58,35 +58,35 @@ def test_the_shared_load_is_one_prefix_and_distinct_suffixes():
 
 
 def test_the_paged_layout_takes_the_slot_layouts_bytes_with_more_slots():
-    """3 slots of 512 tokens: a KIVI-2 slot's part (its 128-token ring) and its 4 pages. The
+    """3 slots of 384 tokens: a KIVI-2 slot's part (its 128-token ring) and its 3 pages. The
     paged layout takes the same bytes (to a page) as 4 slots (at most the 4 requests) of the
-    load's mean request (28 tokens: no complete key group, no page) beside the 4 pages of one
+    load's mean request (28 tokens: no complete key group, no page) beside the 3 pages of one
     max_len request."""
     from kivi_jax.serving import Engine
 
     args = parse("--slots", "3")
-    params, _, _ = serve.load("smoke", 512)
-    slot = serve.size_of(args, params, 512, "slot")
-    paged = serve.size_of(args, params, 512, "paged")
+    params, _, _ = serve.load("smoke", 384)
+    slot = serve.size_of(args, params, 384, "slot")
+    paged = serve.size_of(args, params, 384, "paged")
     assert slot == serve.Size(3, None) and paged.slots == 4
     kv_bytes = lambda size: (lambda s: s.kv_slot_bytes + s.kv_pool_bytes)(
-        Engine(params, kv="kivi2", slots=size.slots, max_len=512, kv_bytes=size.kv_bytes).stats()
+        Engine(params, kv="kivi2", slots=size.slots, max_len=384, kv_bytes=size.kv_bytes).stats()
     )  # fmt: skip
     page = 24576  # bytes of a page, all layers: the pool takes whole pages of the bytes
     assert kv_bytes(slot) == paged.kv_bytes and 0 <= paged.kv_bytes - kv_bytes(paged) < page
     one = kv_bytes(serve.Size(1, None))
-    assert serve.size_of(parse("--kv-bytes-gb", str(3.5 * one / 1e9)), params, 512, "slot") == slot
+    assert serve.size_of(parse("--kv-bytes-gb", str(3.5 * one / 1e9)), params, 384, "slot") == slot
     with pytest.raises(ValueError, match="--slots and --kv-bytes-gb both size the slot layout"):
-        serve.size_of(parse("--slots", "3", "--kv-bytes-gb", "1"), params, 512, "slot")
+        serve.size_of(parse("--slots", "3", "--kv-bytes-gb", "1"), params, 384, "slot")
     with pytest.raises(ValueError, match="the paged layout takes the slot layout's KV bytes"):
-        serve.size_of(parse(), params, 512, "paged")
+        serve.size_of(parse(), params, 384, "paged")
     with pytest.raises(ValueError, match="--max-len 40 is below the load's longest request"):
         serve.max_len_of(parse("--max-len", "40"))
 
 
 def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     """Both layouts on the same load, the shared-prefix load, and their merge. At 2 slots the
-    paged layout's bytes hold no third slot (2 slots and 8 pages, as the slot layout's): its
+    paged layout's bytes hold no third slot (2 slots and 6 pages, as the slot layout's): its
     programs are the slot layout's, compiled once (the shared load's engine adds one)."""
     args = parse("--slots", "2", "--rates", "seq", "inf")
     run, versions = tmp_path / "run", serve.versions()
@@ -94,7 +94,7 @@ def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     for layout in ("slot", "paged"):
         result = serve.measure_kv(args, layout)
         seq, row = result["rows"]
-        assert row["layout"] == layout and row["slots"] == 2 and row["pages"] == 8
+        assert row["layout"] == layout and row["slots"] == 2 and row["pages"] == 6
         assert seq["rate"] == "seq" and seq["mean_live_slots"] <= 1 + 1e-9
         assert row["requests"] == 4 and row["rate"] == "inf"
         assert row["out_tok_per_s"] > 0 and row["predicted_out_tok_per_s"] > 0
@@ -119,7 +119,7 @@ def test_a_smoke_run_measures_every_field_and_merges(tmp_path):
     assert len(merged["shared"]) == 2 and all(SHARED_FIELDS <= set(r) for r in merged["shared"])
     assert {c["layout"] for c in merged["compile"]} == {"slot", "paged"} and merged["versions"]
     md = (tmp_path / "serve.md").read_text()
-    assert "| smoke | kivi2 | paged | 2 | 8 |" in md and "| 128 + 130-140 | on |" in md
+    assert "| smoke | kivi2 | paged | 2 | 6 |" in md and "| 128 + 130-140 | on |" in md
     assert (tmp_path / "serve.png").stat().st_size > 0
     # merged again: each row replaced by itself, none added
     serve.merge(serve.main_parser().parse_args(["merge", str(run), "--out", str(tmp_path)]))
