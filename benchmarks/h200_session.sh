@@ -32,6 +32,7 @@ case "$part" in
     for kv in $kvs; do
       timeout "${SERVE_TIMEOUT:-270}" python3 benchmarks/serve.py run --model "$model" \
         --budget-gb "$budget" --kvs "$kv" --requests 160 --rates 1.5 3 inf --seconds 15 \
+        --layouts slot --shared-requests 0 \
         --call "${CALL:-gpu}" --out "$out" 2>&1 | quiet | tee "$out/serve_$kv.log" \
         | grep -v "^  \(prefill_row\|insert\|reset\|empty\)"
     done

@@ -1,34 +1,56 @@
 """Serving under load: the continuous-batching engine (kivi_jax.serving.Engine) fed a bounded
-stream of requests, for each cache at the number of slots that fits one memory budget (the
-engine's own sizing, `Engine(slots=None, memory_budget=)`: docs/serving.md).
+stream of requests, for each cache in two layouts of its KV state at one budget of KV bytes
+(below), or at the number of slots that fits one memory budget (the engine's own sizing,
+`Engine(slots=None, memory_budget=)`: docs/serving.md).
 
 Requests arrive as a Poisson process at each given rate ("inf": all at once, saturation; "seq":
 one after another, each sent when the one before has finished), with prompt and output lengths
 drawn uniformly from the given ranges with a fixed seed (or read from a JSON file of [prompt,
-output] pairs); the run ends when all of them have finished. Per rate:
-requests/s, output tokens/s, time to first token and time per output token (p50/p90/p99), the
-mean number of live slots and peak memory. Per cache, measured in the same process: the prefill
-rate (prompt tokens/s of requests run alone) and the decode rate with every slot live (the
-engine's decode program at the mean context, `decode_rate`), from
-which the saturation throughput is predicted (`predicted_out_tok_per_s`, the engine spending
-P/prefill + O/decode seconds per request of P prompt and O output tokens, the mean lengths);
-and, at a fixed batch, the engine's decode tokens/s beside `generate`'s on the same batch (the
-wall-clock of each one's decode program; `decode_rate` says why not of requests).
+output] pairs); the run ends when all of them have finished. Per rate: requests/s, output
+tokens/s, time to first token and time per output token (p50/p90/p99), the mean number of live
+requests (slots holding one), preemptions and peak memory. Per cache and layout, measured in
+the same process: the prefill rate (prompt tokens/s of requests run alone) and the decode rate
+with every slot live (as many as the pool holds at the mean context; the engine's decode
+program, `decode_rate`), from which the saturation throughput is predicted
+(`predicted_out_tok_per_s`, the engine spending P/prefill + O/decode seconds per request of P
+prompt and O output tokens, the mean lengths); and, at a fixed batch, the engine's decode
+tokens/s beside `generate`'s on the same batch (the wall-clock of each one's decode program;
+`decode_rate` says why not of requests).
 
-    python benchmarks/serve.py run --model Llama-2-7B --budget-gb 80 --out DIR --call NAME
+    # the CPU rows of cpu-s62 in benchmarks/results/serve.md (default model, float32; 23
+    # minutes on the 2-core CPU shared with other jobs, 12 of them CPU time)
+    python benchmarks/serve.py run --model default --kvs kivi2 --slots 4 --max-len 2048 \\
+        --requests 16 --rates inf --prompt-range 32 96 --output-range 16 32 --overhead-batch 4 \\
+        --shared-requests 8 --prefill-chunk 256 --call cpu-s62 --out DIR
+    # a GPU (random bf16 weights of Llama-2-7B's shape): 30 GB of KV state for both layouts;
+    # within a device call's 10 minutes, one layout a call into the same DIR (`--layouts slot`,
+    # then `--layouts paged --shared-requests 0`)
+    python benchmarks/serve.py run --model Llama-2-7B --kvs kivi2 --budget-gb 70 \\
+        --kv-bytes-gb 30 --requests 160 --rates 3 inf --seconds 15 --call NAME --out DIR
     python benchmarks/serve.py run --model default --slots 8 --requests 8 --rates seq inf \\
-        --prompt-range 32 96 --output-range 64 64 --http --out DIR    # the CPU, through HTTP too
+        --prompt-range 32 96 --output-range 64 64 --layouts slot --shared-requests 0 --http \\
+        --out DIR    # the CPU, through HTTP too
     python benchmarks/serve.py merge DIR [DIR ...] --out benchmarks/results
 
-`--slots N --kv-bytes-gb X` runs the paged engine with N slots sharing X GB of KV state (the
-default gives every slot max_len tokens of pages, the reservation of contiguous slots): at one
-X, more slots than X holds at max_len is the pool's gain on a load of short requests.
+Each cache runs in each of two layouts of the engine's KV state at one budget of KV bytes
+(`--layouts slot paged`): "slot" is the engine with every slot its max_len tokens of pages
+(`kv_bytes=None`: the bytes contiguous slots of max_len reserve, and what they could hold); its
+slots are --slots, as many as --kv-bytes-gb holds, or (neither given) as many as the device
+holds. "paged" takes exactly the slot layout's KV bytes (`kv_bytes=`) and as many slots as they
+hold of the load's mean request (its ring and table, and the pages of its mean prompt + output
+tokens) beside the pages of one max_len request, at most --requests: the pool's gain is the
+live requests it adds on the same load, preempting when pages run out. `--shared-requests N`
+also runs a shared-system-prompt load on the slot layout's engine, prefix sharing off, then on:
+N requests at once, one prefix of --shared-prefix tokens followed by distinct suffixes; it
+reports the prompt tokens computed, the prefix hit tokens and the time to first token.
 
-`run` measures each cache in a process of its own (its peak memory is its own) and writes
-DIR/serve_<model>_<kv>.json; `merge` writes serve.json, serve.md and serve.png (output tokens/s
-and p99 time per output token against offered load, one line per cache), a row measured again in
-a later DIR replacing the earlier one. On a GPU the models are random bf16 weights of the
-benchmark shapes (benchmarks/generate_gpu.py's MODELS); "default" is SmolLM2-135M-Instruct.
+`run` measures each cache and layout (and the shared-prefix load) in a process of its own (its
+peak memory is its own) and writes DIR/serve_<model>_<kv>_<layout>.json (and
+DIR/serve_<model>_<kv>_shared.json); `merge` writes serve.json, serve.md and serve.png (output
+tokens/s and p99 time per output token against offered load, one line per cache and layout), a
+row measured again in a later DIR replacing the earlier one. On a GPU the models are random bf16
+weights of the benchmark shapes (benchmarks/generate_gpu.py's MODELS); "default" is
+SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -48,7 +70,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-KEY = ("mode", "model", "kv", "budget_gb", "rate")  # one row per key; later runs replace it
+# one row per key (and device); a later run's row replaces an earlier one
+KEY = ("mode", "model", "kv", "layout", "budget_gb", "rate")
+SHARED_KEY = ("device", "model", "kv", "sharing")
+LAYOUTS = ("slot", "paged")
 PLAN_FIELDS = ("slots", "limit_gb", "in_use_gb", "slot_gb", "scratch_gb", "programs_gb",
                "planned_gb")  # fmt: skip
 
@@ -94,15 +119,66 @@ def load(model: str, max_len: int):
     return random_params(config, jax.random.key(0)), config.vocab_size, None
 
 
-def fit_of(engine) -> dict:
-    """The engine's memory plan (kivi_jax.serving.sizing.MemoryPlan, bytes on one device) and
-    what compiling its programs cost, for the result rows."""
-    plan = engine.memory_plan
+def max_len_of(args) -> int:
+    """Tokens a request may hold: --max-len, else the longest prompt + output the load draws."""
+    longest = args.prompt_range[1] + args.output_range[1]
+    if args.max_len is None:
+        return longest
+    if args.max_len < longest:
+        raise ValueError(f"--max-len {args.max_len} is below the load's longest request "
+                         f"({args.prompt_range[1]} + {args.output_range[1]} tokens)")  # fmt: skip
+    return args.max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """An engine's slots and kv_bytes (None: every slot's max_len tokens of pages)."""
+
+    slots: int | None
+    kv_bytes: int | None
+
+
+def size_of(args, params, max_len: int, layout: str) -> Size:
+    """The layout's engine at the budget of KV bytes both layouts share (the module's
+    docstring). One slot's part and one page are an engine's of one slot (nothing allocated)."""
+    from kivi_jax.serving import Engine
+
+    if args.slots is not None and args.kv_bytes_gb is not None:
+        raise ValueError("--slots and --kv-bytes-gb both size the slot layout: give one")
+    one = Engine(params, kv=args.kv, slots=1, max_len=max_len, page_size=args.page_size)
+    st = one.stats()
+    part, page = st.kv_slot_bytes, st.kv_pool_bytes // st.pages_total
+    reserved = part + st.pages_total * page  # a slot of max_len tokens
+    slots = args.slots
+    if args.kv_bytes_gb is not None:
+        slots = int(args.kv_bytes_gb * 1e9) // reserved
+        if slots < 1:
+            raise ValueError(f"--kv-bytes-gb {args.kv_bytes_gb}: one slot of max_len={max_len} "
+                             f"takes {reserved / 1e9:.4f} GB")  # fmt: skip
+    if layout == "slot":
+        return Size(slots, None)  # slots None: as many as the device holds
+    if slots is None:
+        raise ValueError("the paged layout takes the slot layout's KV bytes: give --slots or "
+                         "--kv-bytes-gb (not the device's whole memory)")  # fmt: skip
+    mean = int(sum(args.prompt_range) / 2 + sum(args.output_range) / 2)
+    held = part + one._pages.pages_for(mean) * page  # a slot of the mean request
+    # beside the pages of one max_len request: the least pool an engine takes
+    fits = (slots * reserved - st.pages_total * page) // held
+    return Size(min(args.requests, fits), slots * reserved)
+
+
+def fit_of(engine, layout: str) -> dict:
+    """The engine's layout, memory plan (kivi_jax.serving.sizing.MemoryPlan, bytes on one
+    device) and what compiling its programs cost, for the result rows."""
+    plan, st = engine.memory_plan, engine.stats()
     return dict(
+        layout=layout,
         slots=engine.slots,
         prefill_chunk=engine.prefill_chunk,
         prefill_budget=engine.prefill_budget,
-        pages=engine.stats().pages_total,
+        pages=st.pages_total,
+        kv_gb=(st.kv_slot_bytes + st.kv_pool_bytes) / 1e9,
+        max_len=engine.max_len,
         limit_gb=None if plan.limit is None else plan.limit / 1e9,
         in_use_gb=plan.in_use / 1e9,
         slot_gb=plan.slot / 1e9,
@@ -155,13 +231,31 @@ def prompt(rng, vocab: int, n: int) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
 
 
-def run_load(engine, requests, vocab: int, seed: int, timeout_s: float, *, sequential=False):
-    """Submits the requests at their arrival times (`sequential`: each once the one before has
-    finished) to the running engine, waits for all of them, and returns the rate's measures."""
+def prompts_of(requests, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts of the requests' lengths."""
+    rng = np.random.default_rng(seed + 1)
+    return [prompt(rng, vocab, p) for _, p, _ in requests]
+
+
+def shared_workload(args, vocab: int) -> tuple[list, list[list[int]]]:
+    """The shared-system-prompt load: --shared-requests requests at once, each one prefix of
+    --shared-prefix tokens + a suffix of its own (lengths uniform in --shared-suffix-range),
+    outputs in --output-range. Returns (requests, prompts) as workload and prompts_of do."""
+    rng = np.random.default_rng(args.seed + 4)
+    n, lo, hi = args.shared_requests, *args.shared_suffix_range
+    prefix = prompt(rng, vocab, args.shared_prefix)
+    prompts = [prefix + prompt(rng, vocab, int(k)) for k in rng.integers(lo, hi + 1, n)]
+    outs = rng.integers(args.output_range[0], args.output_range[1] + 1, n)
+    return [(0.0, len(p), int(o)) for p, o in zip(prompts, outs, strict=True)], prompts
+
+
+def run_load(engine, requests, prompts, timeout_s: float, *, sequential=False):
+    """Submits the requests' prompts at their arrival times (`sequential`: each once the one
+    before has finished) to the running engine, waits for all of them, and returns the rate's
+    measures: those of `measures`, and the preemptions and prefill work done meanwhile."""
     from kivi_jax.generate import Sampling
 
-    rng = np.random.default_rng(seed + 1)
-    prompts = [prompt(rng, vocab, p) for _, p, _ in requests]
+    before = engine.stats()
     live = LiveSlots(engine)
     handles, t0 = [], time.perf_counter()
     for (arrival, _, out), ids in zip(requests, prompts, strict=True):
@@ -175,7 +269,14 @@ def run_load(engine, requests, vocab: int, seed: int, timeout_s: float, *, seque
     for h in handles:
         h.result(timeout=max(1.0, deadline - time.perf_counter()))
     done = [(h.submit_time, h.first_token_time, h.finish_time, len(h.result())) for h in handles]
-    return measures(done, t0, live.mean())
+    return measures(done, t0, live.mean()) | work(before, engine.stats())
+
+
+def work(before, after) -> dict:
+    """What the engine did between two EngineStats: preemptions and prompt work."""
+    fields = ("preemptions", "prompt_tokens", "prompt_tokens_computed", "prefix_hit_tokens",
+              "prefill_calls")  # fmt: skip
+    return {f: getattr(after, f) - getattr(before, f) for f in fields}
 
 
 def measures(done, t0: float, live_slots: float) -> dict:
@@ -237,6 +338,18 @@ def _occupied(state, live: int, length: int):
     return jax.jit(fill, out_shardings=where, donate_argnums=0)(state)
 
 
+def decode_span(engine, length: int, calls: int = 6) -> int:
+    """The tokens decode_rate's slots reach: `calls` timed calls, a first one and a spare."""
+    return length + (calls + 2) * engine.decode_steps
+
+
+def pool_holds(engine, length: int) -> int:
+    """Slots that decode_rate can make live at `length` tokens of context: the engine's, or as
+    many as its pool holds (a paged layout's pool holds fewer slots of a long context)."""
+    pages = engine._pages
+    return min(engine.slots, pages.total // pages.pages_for(decode_span(engine, length)))
+
+
 def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict | None = None):
     """Decode tokens/s of the engine's own decode program (the one its scheduler calls, of
     `decode_steps` steps) with `live` of its slots decoding at `length` tokens of context:
@@ -256,7 +369,7 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
     pages = engine._pages
     if any(o is not None for o in engine._occupant) or engine.prefix_sharing:
         raise ValueError("decode_rate takes an idle engine without prefix sharing")
-    span = length + (calls + 2) * engine.decode_steps  # the tokens the timed calls reach
+    span = decode_span(engine, length, calls)
     for s in range(live):
         if pages.missing(s, span) > pages.free(pages.shard(s)):
             raise ValueError(f"the pool holds no {live} slots of {span} tokens")
@@ -326,74 +439,84 @@ def generate_decode_rate(params, vocab: int, kv: str, *, batch: int, length: int
 def _row(args, mode: str, rate: float, m: dict, fit: dict, rates: dict) -> dict:
     row = dict(mode=mode, model=args.model, kv=args.kv, budget_gb=args.budget_gb,
                rate=_rate_label(rate), **m, **rates, peak_gb=peak_gb(),
-               call=args.call, **fit)  # fmt: skip
-    print(f"  {mode} rate {rate}: {m['out_tok_per_s']:.0f} out tok/s, TTFT p99 "
+               call=args.call, page_size=args.page_size, **fit)  # fmt: skip
+    print(f"  {fit['layout']} {mode} rate {rate}: {m['out_tok_per_s']:.0f} out tok/s, TTFT p99 "
           f"{m['ttft_p99_ms']:.0f} ms, TPOT p99 {m['tpot_p99_ms']:.1f} ms, "
-          f"{m['mean_live_slots']:.1f} live slots", file=sys.stderr, flush=True)  # fmt: skip
+          f"{m['mean_live_slots']:.1f} live requests, {m['preemptions']} preemptions",
+          file=sys.stderr, flush=True)  # fmt: skip
     return row
 
 
-def measure_kv(args, save=None) -> dict:
-    """Every measure of one cache (in this process). The engine runs without an EOS, so every
-    request produces its drawn number of tokens. `save(result)`, if given, is called with the
-    result so far after each rate (a run cut short keeps the rows it measured)."""
-    import jax
-
+def new_engine(args, params, max_len: int, size: Size, prefix_sharing=False):
     from kivi_jax.serving import Engine
 
-    max_len = args.prompt_range[1] + args.output_range[1]
+    return Engine(
+        params, kv=args.kv, slots=size.slots, max_len=max_len, kv_bytes=size.kv_bytes,
+        page_size=args.page_size, prefix_sharing=prefix_sharing,
+        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+        max_queue=1 << 20, memory_budget=int(args.budget_gb * 1e9),
+    )  # fmt: skip
+
+
+def measure_kv(args, layout: str, save=None) -> dict:
+    """Every measure of one cache in one layout (in this process). The engine runs without an
+    EOS, so every request produces its drawn number of tokens. `save(result)`, if given, is
+    called with the result so far after each rate (a run cut short keeps the rows it
+    measured). The fixed-batch comparison with `generate` runs in the first of --layouts."""
+    import jax
+
+    max_len = max_len_of(args)
     params, vocab, tokenizer = load(args.model, max_len)
     if args.http and tokenizer is None:
         raise ValueError(f"--http needs a model with a tokenizer ('default'), not {args.model}")
-    budget = int(args.budget_gb * 1e9)
-
-    def new_engine(slots):
-        return Engine(
-            params, kv=args.kv, slots=slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
-            prefill_budget=args.prefill_budget, max_queue=1 << 20, memory_budget=budget,
-            kv_bytes=None if args.kv_bytes_gb is None else int(args.kv_bytes_gb * 1e9),
-            page_size=args.page_size,
-        )  # fmt: skip
+    size = size_of(args, params, max_len, layout)
 
     mean_p = sum(args.prompt_range) / 2
     mean_o = sum(args.output_range) / 2
-    if args.overhead_batch:  # first: its programs compile and run while the device is free
-        b, length, new = args.overhead_batch, int(mean_p), int(mean_o)
+    overhead_batch = args.overhead_batch if layout == args.layouts[0] else 0
+    if overhead_batch:  # first: its programs compile and run while the device is free
+        b, length, new = overhead_batch, int(mean_p), int(mean_o)
         gen = generate_decode_rate(
             params, vocab, args.kv, batch=b, length=length, new=new, seed=args.seed
         )
     t0 = time.perf_counter()
-    engine = new_engine(args.slots)  # None: as many slots as fit the budget and the device
+    engine = new_engine(args, params, max_len, size)  # slots None: as many as fit the device
     engine.warmup()
     warmup_s = time.perf_counter() - t0
-    fit = fit_of(engine)
+    fit = fit_of(engine, layout)
     slots = engine.slots
-    print(f"{args.model} {args.kv}: {engine.memory_plan.describe()}; {fit['programs']} programs "
-          f"compiled in {fit['compile_s']:.0f} s (warmup {warmup_s:.0f} s)", file=sys.stderr,
+    print(f"{args.model} {args.kv} {layout}: {engine.memory_plan.describe()}; {fit['pages']} "
+          f"pages, KV {fit['kv_gb']:.3f} GB; {fit['programs']} programs compiled in "
+          f"{fit['compile_s']:.0f} s (warmup {warmup_s:.0f} s)", file=sys.stderr,
           flush=True)  # fmt: skip
     for cost in engine.programs:
         print(f"  {cost.name}: {cost.compile_s:.1f} s, temporaries {cost.temp_bytes / 1e6:.0f} MB",
               file=sys.stderr, flush=True)  # fmt: skip
     prefill = prefill_rate(engine, vocab, int(mean_p), n=args.prefill_requests, seed=args.seed)
     trace: dict = {}
-    decode = decode_rate(engine, live=slots, length=int(mean_p + mean_o / 2), trace=trace)
+    context = int(mean_p + mean_o / 2)
+    live = pool_holds(engine, context)
+    decode = decode_rate(engine, live=live, length=context, trace=trace)
     for name, (n, ms) in list(trace.get("kernels", {}).items())[:8]:
         print(f"  decode step kernels: {name[:60]} x{n} {ms:.2f} ms", file=sys.stderr, flush=True)
     rates = dict(
         predicted_out_tok_per_s=mean_o / (mean_p / prefill + mean_o / decode),
         prefill_tok_per_s=prefill,
         decode_tok_per_s=decode,
+        decode_live=live,
     )
-    print(f"  prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s at {slots} slots, "
-          f"predicted {rates['predicted_out_tok_per_s']:.0f} out tok/s", file=sys.stderr,
+    print(f"  prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s at {live} live of {slots} "
+          f"slots, predicted {rates['predicted_out_tok_per_s']:.0f} out tok/s", file=sys.stderr,
           flush=True)  # fmt: skip
     overhead = None
-    if args.overhead_batch and args.overhead_batch > slots:
-        print(f"  overhead: batch {b} > {slots} slots, not measured", file=sys.stderr)
-    elif args.overhead_batch:
+    if overhead_batch and overhead_batch > pool_holds(engine, length + new // 2):
+        print(f"  overhead: batch {b} > the slots the engine holds, not measured",
+              file=sys.stderr)  # fmt: skip
+    elif overhead_batch:
         eng = decode_rate(engine, live=b, length=length + new // 2)
         overhead = dict(batch=b, prompt=length, new_tokens=new, engine_decode_tok_per_s=eng,
-                        generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen)  # fmt: skip
+                        generate_decode_tok_per_s=gen, engine_vs_generate=eng / gen,
+                        layout=layout)  # fmt: skip
         print(f"  overhead at batch {b}: engine {eng:.0f}, generate {gen:.0f} tok/s",
               file=sys.stderr, flush=True)  # fmt: skip
     rows = []
@@ -413,20 +536,56 @@ def measure_kv(args, save=None) -> dict:
                   programs=programs, warmup_s=warmup_s, decode_trace=trace)  # fmt: skip
     with engine:
         for rate, reqs in workloads.items():
-            m = run_load(engine, reqs, vocab, args.seed, timeout_s=args.timeout_s,
-                         sequential=rate == 0)  # fmt: skip
+            m = run_load(engine, reqs, prompts_of(reqs, vocab, args.seed),
+                         timeout_s=args.timeout_s, sequential=rate == 0)  # fmt: skip
             rows.append(_row(args, "engine", rate, m, fit, rates))
             if save is not None:
                 save(result)
     if args.http:  # the same loads through kivi-serve's app (a new engine: programs cached)
         del engine
-        with HttpServer(new_engine(slots), tokenizer, max_len) as server:
+        with HttpServer(new_engine(args, params, max_len, size), tokenizer, max_len) as server:
             for rate, reqs in workloads.items():
-                m = run_load_http(server, reqs, vocab, args.seed, timeout_s=args.timeout_s,
-                                  sequential=rate == 0)  # fmt: skip
+                m = run_load_http(server, reqs, prompts_of(reqs, vocab, args.seed),
+                                  timeout_s=args.timeout_s, sequential=rate == 0)  # fmt: skip
                 rows.append(_row(args, "http", rate, m, fit, rates))
                 if save is not None:
                     save(result)
+    return result
+
+
+def measure_shared(args, save=None) -> dict:
+    """The shared-system-prompt load (shared_workload) on the slot layout's engine, prefix
+    sharing off, then on (a second engine: its programs but one are the first's, compiled)."""
+    import jax
+
+    max_len = max_len_of(args)
+    params, vocab, _ = load(args.model, max_len)
+    reqs, prompts = shared_workload(args, vocab)
+    longest = max(p for _, p, _ in reqs) + args.output_range[1]
+    if longest > max_len:
+        raise ValueError(f"a shared-prefix request holds up to {longest} tokens, over max_len "
+                         f"{max_len} (--max-len, or a shorter --shared-prefix)")  # fmt: skip
+    size = size_of(args, params, max_len, "slot")
+    rows = []
+    result = dict(shared=rows, device=jax.devices()[0].device_kind)
+    for sharing in (False, True):
+        engine = new_engine(args, params, max_len, size, prefix_sharing=sharing)
+        engine.warmup()
+        with engine:
+            m = run_load(engine, reqs, prompts, timeout_s=args.timeout_s)
+        rows.append(dict(
+            model=args.model, kv=args.kv, layout="slot", slots=engine.slots,
+            kv_gb=fit_of(engine, "slot")["kv_gb"], sharing=sharing, prefix=args.shared_prefix,
+            suffix_range=list(args.shared_suffix_range), output_range=list(args.output_range),
+            page_size=args.page_size, prefill_chunk=args.prefill_chunk, call=args.call, **m,
+        ))  # fmt: skip
+        print(f"  shared prefix, sharing {'on' if sharing else 'off'}: "
+              f"{m['prompt_tokens_computed']} of {m['prompt_tokens']} prompt tokens computed, "
+              f"{m['prefix_hit_tokens']} hit; TTFT p50 {m['ttft_p50_ms']:.0f} ms, p99 "
+              f"{m['ttft_p99_ms']:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
+        del engine
+        if save is not None:
+            save(result)
     return result
 
 
@@ -495,14 +654,13 @@ def _stream(base: str, ids: list[int], out: int, timeout_s: float) -> tuple[floa
     return first, time.perf_counter(), tokens
 
 
-def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s: float, *,
+def run_load_http(server: HttpServer, requests, prompts, timeout_s: float, *,
                   sequential=False) -> dict:  # fmt: skip
     """run_load through the HTTP server: each request a streamed completion from a thread of
     its own, sent at its arrival time (`sequential`: one after another)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    rng = np.random.default_rng(seed + 1)
-    prompts = [prompt(rng, vocab, p) for _, p, _ in requests]
+    before = server.engine.stats()
     live = LiveSlots(server.engine)
     t0 = time.perf_counter()
 
@@ -516,7 +674,8 @@ def run_load_http(server: HttpServer, requests, vocab: int, seed: int, timeout_s
 
     with ThreadPoolExecutor(max_workers=1 if sequential else len(requests)) as pool:
         done = list(pool.map(one, range(len(requests))))
-    return measures([(s, f, e, n) for s, f, e, n in done], t0, live.mean())
+    done = [(s, f, e, n) for s, f, e, n in done]
+    return measures(done, t0, live.mean()) | work(before, server.engine.stats())
 
 
 def versions() -> dict:
@@ -527,11 +686,19 @@ def versions() -> dict:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
 
 
-def _one(args, kv: str, path: Path) -> None:
-    """measure_kv in a process of its own (spawned: its device memory is its own)."""
+def _one(args, kv: str, layout: str, path: Path) -> None:
+    """measure_kv (or measure_shared, layout "shared") in a process of its own (spawned: its
+    device memory is its own). The run's processes share their compiled programs through JAX's
+    persistent cache in DIR/xla: a program of the same shapes compiles once a run (the prompt
+    programs of both layouts, the shared-prefix load's all but one)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(args.out / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     args.kv = kv
-    save = lambda result: path.write_text(json.dumps(dict(result, versions=versions()), indent=1))
-    save(measure_kv(args, save))
+    head = dict(model=args.model, kv=kv, layout=layout, call=args.call, versions=versions())
+    save = lambda result: path.write_text(json.dumps(head | result, indent=1))
+    save(measure_shared(args, save) if layout == "shared" else measure_kv(args, layout, save))
 
 
 def run(args) -> None:
@@ -545,42 +712,56 @@ def run(args) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     args.out.mkdir(parents=True, exist_ok=True)
     spawn = multiprocessing.get_context("spawn")
+    shared = ["shared"] if args.shared_requests else []
     for kv in args.kvs:
-        path = args.out / f"serve_{args.model}_{kv}.json"
-        proc = spawn.Process(target=_one, args=(args, kv, path))
-        proc.start()
-        proc.join()
-        if proc.exitcode:
-            print(f"{args.model} {kv}: FAILED (exit {proc.exitcode})", flush=True)
+        for layout in [*args.layouts, *shared]:
+            t0 = time.perf_counter()
+            path = args.out / f"serve_{args.model}_{kv}_{layout}.json"
+            proc = spawn.Process(target=_one, args=(args, kv, layout, path))
+            proc.start()
+            proc.join()
+            status = f"FAILED (exit {proc.exitcode})" if proc.exitcode else "done"
+            print(f"{args.model} {kv} {layout}: {status} in {time.perf_counter() - t0:.0f} s",
+                  flush=True)  # fmt: skip
+
+
+def _replace(old: list, new: list, key) -> list:
+    """`old` without the entries whose key one of `new` has, then `new`."""
+    keys = {key(x) for x in new}
+    return [x for x in old if key(x) not in keys] + new
 
 
 def merge(args) -> None:
     """serve.{json,md,png} from the runs' files, a later run's row replacing an earlier one."""
     path = args.out / "serve.json"
     merged = json.loads(path.read_text()) if path.exists() else {"rows": [], "overhead": []}
+    for entry in merged["rows"] + merged["overhead"] + merged.get("compile", []):
+        # rows measured before the page pool (kivi_jax/paged.py) name no layout: their slots
+        # were contiguous, max_len tokens each
+        entry.setdefault("layout", "contiguous")
+    by = lambda *fields: lambda x: tuple(x[k] for k in fields)
     for d in args.dirs:
         for f in sorted(Path(d).glob("serve_*.json")):
             r = json.loads(f.read_text())
-            keys = {tuple(row[k] for k in KEY) for row in r["rows"]}
-            merged["rows"] = [x for x in merged["rows"] if tuple(x[k] for k in KEY) not in keys]
-            merged["rows"] += [dict(row, device=r["device"]) for row in r["rows"]]
+            which = dict(device=r["device"], model=r["model"], kv=r["kv"], call=r["call"])
+            rows = [dict(row, device=r["device"]) for row in r.get("rows", [])]
+            merged["rows"] = _replace(merged["rows"], rows, by(*KEY, "device"))
+            shared = [dict(row, device=r["device"]) for row in r.get("shared", [])]
+            merged["shared"] = _replace(merged.get("shared", []), shared, by(*SHARED_KEY))
             if r.get("overhead"):
-                o = dict(r["overhead"], device=r["device"], model=r["rows"][0]["model"],
-                         kv=r["rows"][0]["kv"], call=r["rows"][0]["call"])  # fmt: skip
-                same = lambda x, o=o: (x["model"], x["kv"], x["device"]) == (
-                    o["model"], o["kv"], o["device"])  # fmt: skip
-                merged["overhead"] = [x for x in merged["overhead"] if not same(x)] + [o]
-            if r.get("programs"):
-                first = r["rows"][0]
-                c = dict(device=r["device"], model=first["model"], kv=first["kv"],
-                         call=first["call"], warmup_s=r["warmup_s"], programs=r["programs"],
-                         **{k: first[k] for k in PLAN_FIELDS})  # fmt: skip
-                same = lambda x, c=c: (x["model"], x["kv"], x["device"]) == (
-                    c["model"], c["kv"], c["device"])  # fmt: skip
-                merged["compile"] = [x for x in merged.get("compile", []) if not same(x)] + [c]
+                o = dict(r["overhead"], **which)
+                merged["overhead"] = _replace(merged["overhead"], [o],
+                                              by("model", "kv", "layout", "device"))  # fmt: skip
+            if r.get("programs") and rows:
+                plan = {k: rows[0][k] for k in PLAN_FIELDS}
+                c = dict(which, layout=r["layout"], warmup_s=r["warmup_s"],
+                         programs=r["programs"], **plan)  # fmt: skip
+                merged["compile"] = _replace(merged.get("compile", []), [c],
+                                             by("model", "kv", "layout", "device"))  # fmt: skip
             merged["versions"] = r["versions"]
     rate_key = lambda x: _rate(str(x["rate"]))
-    merged["rows"].sort(key=lambda x: (x["device"], x["model"], x["kv"], rate_key(x)))
+    merged["rows"].sort(key=lambda x: (x["device"], x["model"], x["kv"], x["layout"],
+                                       rate_key(x)))  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1))
     (args.out / "serve.md").write_text(markdown(merged))
@@ -593,20 +774,50 @@ def markdown(result: dict) -> str:
         "",
         f"Versions: {result.get('versions')}. Rows of one model and device come from one call.",
         "",
-        "| device | mode | model | kv | slots | budget GB | rate (req/s) | requests | req/s "
-        "| out tok/s | predicted | TTFT p50 / p99 ms | TPOT p50 / p99 ms | live slots | peak GB "
-        "| call |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Layouts at one budget of KV bytes (`KV GB`, the slots' parts and the pool): `slot`, "
+        "every slot its max_len tokens of pages (what contiguous slots reserve); `paged`, the "
+        "same bytes shared by more slots, pages taken as tokens arrive; `contiguous`, rows "
+        "measured before the page pool. Live requests: the mean over the run of the slots "
+        "holding one.",
+        "",
+        "| device | mode | model | kv | layout | slots | pages | KV GB | budget GB "
+        "| rate (req/s) | requests | req/s | out tok/s | predicted | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | live requests | preempted | peak GB | call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['device']} | {r['mode']} | {r['model']} | {r['kv']} | {r['slots']} "
+            f"| {r['device']} | {r['mode']} | {r['model']} | {r['kv']} | {r['layout']} "
+            f"| {r['slots']} | {_cell(r, 'pages', 'd')} | {_cell(r, 'kv_gb', '.3g')} "
             f"| {r['budget_gb']:g} | {r['rate']} | {r['requests']} | {r['req_per_s']:.2f} "
             f"| {r['out_tok_per_s']:.0f} | {r['predicted_out_tok_per_s']:.0f} "
             f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
             f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['mean_live_slots']:.1f} "
-            f"| {r['peak_gb']:.1f} | {r['call']} |"
+            f"| {_cell(r, 'preemptions', 'd')} | {r['peak_gb']:.1f} | {r['call']} |"
         )
+    if result.get("shared"):
+        lines += [
+            "",
+            "A shared system prompt: the requests submitted at once, each one prefix + a "
+            "suffix of its own, on the slot layout's engine with prefix sharing off and on. "
+            "Computed: prompt tokens run through the model; hits: prompt tokens read from "
+            "another request's sealed pages instead.",
+            "",
+            "| device | model | kv | slots | requests | prefix + suffix | sharing "
+            "| prompt tokens | computed | hits | prefill calls | TTFT p50 / p99 ms | out tok/s "
+            "| call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["shared"]:
+            lo, hi = r["suffix_range"]
+            lines.append(
+                f"| {r['device']} | {r['model']} | {r['kv']} | {r['slots']} | {r['requests']} "
+                f"| {r['prefix']} + {lo}-{hi} | {'on' if r['sharing'] else 'off'} "
+                f"| {r['prompt_tokens']} | {r['prompt_tokens_computed']} "
+                f"| {r['prefix_hit_tokens']} | {r['prefill_calls']} "
+                f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['out_tok_per_s']:.0f} "
+                f"| {r['call']} |"
+            )
     if result.get("overhead"):
         lines += [
             "",
@@ -615,13 +826,13 @@ def markdown(result: dict) -> str:
             "them live at the mean context; generate measured first, before the engine "
             "allocates).",
             "",
-            "| device | model | kv | batch | prompt + new | engine tok/s | generate tok/s "
-            "| engine / generate | call |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| device | model | kv | layout | batch | prompt + new | engine tok/s "
+            "| generate tok/s | engine / generate | call |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for o in result["overhead"]:
             lines.append(
-                f"| {o['device']} | {o['model']} | {o['kv']} | {o['batch']} "
+                f"| {o['device']} | {o['model']} | {o['kv']} | {o['layout']} | {o['batch']} "
                 f"| {o['prompt']} + {o['new_tokens']} | {o['engine_decode_tok_per_s']:.0f} "
                 f"| {o['generate_decode_tok_per_s']:.0f} | {o['engine_vs_generate']:.2f} "
                 f"| {o['call']} |"
@@ -633,20 +844,26 @@ def markdown(result: dict) -> str:
             "and the allocator's) and its programs, compiled by warmup() before the state is "
             "allocated; peak is the allocator's over the whole run.",
             "",
-            "| device | model | kv | slots | limit | in use | slot | scratch | programs' temps "
-            "| planned | programs | compile s | slowest | call |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| device | model | kv | layout | slots | limit | in use | slot | scratch "
+            "| programs' temps | planned | programs | compile s | slowest | call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in result["compile"]:
             slow = max(c["programs"], key=lambda p: p["compile_s"])
             lines.append(
-                f"| {c['device']} | {c['model']} | {c['kv']} | {c['slots']} "
-                f"| {c['limit_gb']:.1f} | {c['in_use_gb']:.1f} | {c['slot_gb']:.3f} "
+                f"| {c['device']} | {c['model']} | {c['kv']} | {c['layout']} | {c['slots']} "
+                f"| {_cell(c, 'limit_gb', '.1f')} | {c['in_use_gb']:.1f} | {c['slot_gb']:.3f} "
                 f"| {c['scratch_gb']:.2f} | {c['programs_gb']:.2f} | {c['planned_gb']:.1f} "
                 f"| {len(c['programs'])} | {sum(p['compile_s'] for p in c['programs']):.0f} "
                 f"| {slow['name']} {slow['compile_s']:.0f} s | {c['call']} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict, field: str, spec: str) -> str:
+    """A table cell: the row's field in `spec`, "-" where the row has none (older rows)."""
+    value = row.get(field)
+    return "-" if value is None else format(value, spec)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -664,10 +881,10 @@ def plot(result: dict, path: Path) -> None:
         finite = [float(r["rate"]) for r in rows if r["rate"] not in ("inf", "seq")]
         inf_at = 2 * max(finite) if finite else 1.0  # saturation drawn right of the others
         where = lambda r, inf_at=inf_at: inf_at if r["rate"] == "inf" else _rate(str(r["rate"]))
-        for kv in sorted({r["kv"] for r in rows}):
-            mine = sorted((r for r in rows if r["kv"] == kv), key=where)
+        for kv, layout in sorted({(r["kv"], r["layout"]) for r in rows}):
+            mine = sorted((r for r in rows if (r["kv"], r["layout"]) == (kv, layout)), key=where)
             x = [where(r) for r in mine]
-            label = f"{kv} ({mine[0]['slots']} slots)"
+            label = f"{kv}, {layout} ({mine[0]['slots']} slots)"
             axes[0, j].plot(x, [r["out_tok_per_s"] for r in mine], "o-", label=label)
             axes[1, j].plot(x, [r["tpot_p99_ms"] for r in mine], "o-", label=label)
         axes[0, j].set_title(f"{model}, {mode} ({device})", fontsize=9)
@@ -707,13 +924,14 @@ def main_parser() -> argparse.ArgumentParser:
     q.add_argument("--prefill-budget", type=int, help="prompt tokens a step (the engine's default)")
     q.add_argument("--prefill-requests", type=int, default=4)
     q.add_argument("--overhead-batch", type=int, default=16)
-    q.add_argument("--slots", type=int, help="instead of the budget's")
-    q.add_argument(
-        "--kv-bytes-gb",
-        type=float,
-        help="the KV state's bytes, pool and slots (default: every slot's max_len)",
-    )
+    q.add_argument("--max-len", type=int, help="tokens a slot holds (default: the longest load)")
+    q.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    q.add_argument("--slots", type=int, help="the slot layout's (default: the KV budget's)")
+    q.add_argument("--kv-bytes-gb", type=float, help="the KV budget of both layouts")
     q.add_argument("--page-size", type=int, default=128)
+    q.add_argument("--shared-requests", type=int, default=16, help="0: no shared-prefix load")
+    q.add_argument("--shared-prefix", type=int, default=1024)
+    q.add_argument("--shared-suffix-range", type=int, nargs=2, default=[128, 256])
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--timeout-s", type=float, default=600.0)
     q.add_argument("--call", default="local")
