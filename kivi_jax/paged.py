@@ -252,7 +252,82 @@ def _leaf(tree, path):
 
 def decode_attention_reference(q: jax.Array, paged: PagedCache, window: int | None = None):
     """kivi_jax.attention.decode_attention_reference over the pages: the table gathered into
-    the contiguous view, then the reference (same arguments and result)."""
+    the contiguous view, then the reference (same arguments and result). What the paged
+    attention (`decode_attention`) is tested against."""
     from kivi_jax.attention import decode_attention_reference as reference
 
     return reference(q, view(paged), window)
+
+
+def reads_by_page(paged: PagedCache) -> bool:
+    """Whether a page's tokens can be read on their own, knowing only the row's length: a
+    FullCache, or plain KIVI (a ring slot t % R, page_size a multiple of R). A mixed state's
+    sinks and heavy tokens are positions in the whole sequence: it is read through the view."""
+    return not (isinstance(paged.rows, KiviCache) and paged.rows.side is not None)
+
+
+def page(paged: PagedCache, m) -> Cache:
+    """Table column m as a contiguous Cache of page_size tokens, its token i each row's token
+    m * page_size + i (lengths less m * page_size, so a row's rings and masks read as they do
+    in the view; a missing page reads as zeros). Only where `reads_by_page`."""
+    ids = jax.lax.dynamic_index_in_dim(paged.table, m, axis=1, keepdims=False)  # [B]
+    take = lambda x: jnp.take(x, ids, axis=0, mode="fill", fill_value=0)
+    rows = dataclasses.replace(paged.rows, lengths=paged.rows.lengths - m * paged.page_size)
+    return dataclasses.replace(merge(rows, jax.tree.map(take, paged.pages)),
+                               max_len=paged.page_size)  # fmt: skip
+
+
+def _attention_by_pages(q: jax.Array, paged: PagedCache, window: int | None) -> jax.Array:
+    """The reference read page by page: each table column's logits and values
+    (`kivi_jax.attention.masked_logits` of `page`), merged by an online softmax in float32; no
+    contiguous view. Equals the reference up to float32 rounding (the order of the sums)."""
+    from kivi_jax.attention import check_decode_inputs, masked_logits
+
+    b, _, d = q.shape
+    first = page(paged, 0)
+    rep, h = check_decode_inputs(q, first), first.num_kv_heads
+    hi = jax.lax.Precision.HIGHEST
+
+    def step(carry, m):
+        top, total, acc = carry  # [B, H, rep, 1], [B, H, rep, 1], [B, H, rep, D]
+        s, held, v = masked_logits(q, page(paged, m), window)  # [B, H, rep, ps], v [B, H, ps, D]
+        new = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
+        base = jnp.where(jnp.isfinite(new), new, 0.0)
+        p = jnp.where(held, jnp.exp(s - base), 0.0)
+        keep = jnp.exp(top - base)  # 0 while top is -inf
+        total = total * keep + jnp.sum(p, axis=-1, keepdims=True)
+        acc = acc * keep + jnp.einsum("bhrt,bhtd->bhrd", p, v, precision=hi)
+        return (new, total, acc), None
+
+    init = (jnp.full((b, h, rep, 1), -jnp.inf, jnp.float32), jnp.zeros((b, h, rep, 1), jnp.float32),
+            jnp.zeros((b, h, rep, d), jnp.float32))  # fmt: skip
+    (_, total, acc), _ = jax.lax.scan(step, init, jnp.arange(paged.max_pages))
+    out = acc / jnp.where(total > 0, total, 1.0)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def decode_attention(
+    q: jax.Array,
+    paged: PagedCache,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    window: int | None = None,
+) -> jax.Array:
+    """kivi_jax.attention.decode_attention over a PagedCache (same arguments, `impl` names and
+    result), reading through the table where the implementation can:
+
+      "reference"  plain jnp page by page (`_attention_by_pages`: no contiguous view); a mixed
+                   state through the view (`reads_by_page`)
+      otherwise    the contiguous implementation on the view (the table gathered)
+    """
+    from kivi_jax.attention import IMPLEMENTATIONS
+    from kivi_jax.attention import decode_attention as contiguous
+
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "reference" or (impl == "auto" and jax.default_backend() == "cpu"):
+        if reads_by_page(paged):
+            return _attention_by_pages(q, paged, window)
+        return decode_attention_reference(q, paged, window)
+    return contiguous(q, view(paged), impl=impl, interpret=interpret, window=window)

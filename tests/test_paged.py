@@ -116,3 +116,46 @@ def test_page_size_must_hold_whole_flushes():
     with pytest.raises(ValueError, match="multiple of the residual length R=128"):
         paged.init_paged(KiviConfig(), batch=1, pages=1, page_size=96, max_len=256,
                          num_kv_heads=H, head_dim=D)  # fmt: skip
+
+
+def random_paged(cfg, lengths, *, seed, dtype=jnp.float32, heads=H, head_dim=D, page_size=PS,
+                 max_len=MAX_LEN, pages=12):  # fmt: skip
+    """A paged state of random contents (codes, scales, rings: every array read) whose table
+    gives each row its pages for its length in a random order over the pool, row 1 sharing
+    row 0's first page; a KIVI row of fewer than G tokens (all in its ring) takes none;
+    NO_PAGE past each row's length."""
+    rng = np.random.default_rng(seed)
+    kw = dict(num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    state = paged.init_paged(cfg, batch=len(lengths), pages=pages, page_size=page_size,
+                             max_len=max_len, **kw)  # fmt: skip
+
+    def fill(x):
+        if x.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, x.shape), jnp.uint8)
+        if x.dtype in (jnp.int32, jnp.bool_):  # lengths, overflow: set below
+            return x
+        return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+    order = iter(rng.permutation(pages))
+    table = np.full((len(lengths), state.max_pages), paged.NO_PAGE, np.int32)
+    for b, n in enumerate(lengths):
+        if cfg is None or n >= 32:
+            table[b, : -(-n // page_size)] = [next(order) for _ in range(-(-n // page_size))]
+    table[1, 0] = table[0, 0]
+    rows = jax.tree.map(fill, state.rows)
+    rows = dataclasses.replace(rows, lengths=jnp.asarray(lengths, jnp.int32))
+    return dataclasses.replace(state, rows=rows, pages=jax.tree.map(fill, state.pages),
+                               table=jnp.asarray(table))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4-f8", "full", "mix-error"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_paged_reference_reads_page_by_page_as_the_reference_reads_the_view(kind, window):
+    # lengths: two pages and a half (row 0), a row sharing row 0's first page, a row whose
+    # tokens are all in its ring (no page), an empty row, one ending on a page boundary
+    state = random_paged(CONFIGS[kind], [185, 165, 20, 0, 128], seed=1)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((5, N, D)), jnp.float32)
+    got = paged.decode_attention(q, state, impl="reference", window=window)
+    want = decode_attention_reference(q, paged.view(state), window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got)[3], 0.0)
