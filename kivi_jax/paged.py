@@ -192,25 +192,68 @@ def _extent(cache: Cache) -> jax.Array:
     return n - n % cache.config.group_size
 
 
-def append(
-    paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
-) -> tuple[PagedCache, Cache]:
-    """kivi_jax.cache.append through the table: returns (the paged state after the step, the
-    contiguous view of it, which decode attention then reads). One step writes tokens in
-    [l - 1 - R, l) only (a leaving value, a completed key group: R <= page_size), so the view's
-    pages holding l - 1 and l - 1 - R are written back."""
+def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None) -> PagedCache:
+    """kivi_jax.cache.append through the table (same arguments; the paged state after the
+    step, bit for bit the pages and rows of the contiguous state's). One step writes tokens
+    in [l - R, l] only (the value leaving the window, l - R, and a key group completed at l,
+    R <= page_size; a full-precision state token l), which lie in the two pages from the one
+    holding token max(l - R, 0): the append runs on those two pages of each row
+    (`reads_by_page`; a mixed state, whose sinks and heavy tokens are sequence positions, on
+    the whole view), and writes them back."""
+    if not reads_by_page(paged):
+        return _append_through_view(paged, k, v, active, q=q)
+    n, ps, cap = paged.rows.lengths, paged.page_size, paged.rows.max_len
+    r = paged.rows.config.residual_length if isinstance(paged.rows, KiviCache) else 0
+    wanted = jnp.ones(n.shape, bool) if active is None else jnp.asarray(active)
+    if wanted.shape != n.shape or wanted.dtype != jnp.bool_:
+        raise ValueError(
+            f"append: active must be bools of shape {n.shape}, got "
+            f"{wanted.dtype}{list(wanted.shape)}"
+        )
+    fits = wanted & (n < cap)
+    if not isinstance(fits, jax.core.Tracer) and not bool(jnp.all(fits == wanted)):
+        bad = np.flatnonzero(np.asarray(wanted & ~fits))
+        raise ValueError(
+            f"cache capacity exceeded: max_len={cap}, but rows {bad.tolist()} would hold "
+            f"{(np.asarray(n)[bad] + 1).tolist()} tokens"
+        )
+    first = jnp.maximum(n - r, 0) // ps  # [B] the window's first table column
+    cols = first[:, None] + jnp.arange(2)  # [B, 2]
+    ids = jnp.take_along_axis(paged.table, cols, axis=1, mode="fill", fill_value=NO_PAGE)
+    window = view(dataclasses.replace(paged, table=ids))  # [B] rows of two pages
+    base = first * ps
+    window = dataclasses.replace(window, lengths=n - base, max_len=2 * ps)
+    out = cache_lib.append(window, k, v, fits, q=q)
+    out = dataclasses.replace(out, lengths=out.lengths + base, max_len=cap)
+    rows, tokens = split(out, paged.token_axes)
+    pages = _put_pages(paged, tokens, ids, jnp.broadcast_to(jnp.arange(2), ids.shape))
+    return _flag_missing(dataclasses.replace(paged, rows=rows, pages=pages), wanted & ~fits)
+
+
+def _flag_missing(paged: PagedCache, dropped: jax.Array) -> PagedCache:
+    """`paged` with the overflow flag set on the rows whose step was `dropped` (past max_len)
+    or whose last complete key group (a full-precision state: last token) has no page."""
+    rows = paged.rows
+    extent = _extent(rows)
+    last = jnp.maximum(extent - 1, 0) // paged.page_size
+    page_of_last = jnp.take_along_axis(paged.table, last[:, None], axis=1)[:, 0]
+    missing = (extent > 0) & (page_of_last == NO_PAGE)
+    return dataclasses.replace(
+        paged, rows=dataclasses.replace(rows, overflow=rows.overflow | dropped | missing)
+    )
+
+
+def _append_through_view(paged: PagedCache, k, v, active, *, q) -> PagedCache:
+    """`append` on the whole contiguous view, the two pages a step can write (those of tokens
+    l - 1 - R and l - 1 after it) put back through the table."""
     cache = cache_lib.append(view(paged), k, v, active, q=q)
     n, ps = cache.lengths, paged.page_size
     r = cache.config.residual_length if isinstance(cache, KiviCache) else 0
     at = jnp.stack([jnp.maximum(n - 1 - r, 0) // ps, jnp.maximum(n - 1, 0) // ps], axis=1)
     rows, tokens = split(cache, paged.token_axes)
     ids = jnp.take_along_axis(paged.table, at, axis=1)  # [B, 2]
-    last = jnp.maximum(_extent(cache) - 1, 0) // ps
-    missing = (_extent(cache) > 0) & (jnp.take_along_axis(paged.table, last[:, None], 1)[:, 0]
-                                      == NO_PAGE)  # fmt: skip
-    rows = dataclasses.replace(rows, overflow=rows.overflow | missing)
     out = dataclasses.replace(paged, rows=rows, pages=_put_pages(paged, tokens, ids, at))
-    return out, merge(rows, tokens)
+    return _flag_missing(out, jnp.zeros_like(rows.overflow))
 
 
 def put_sequence(paged: PagedCache, cache: Cache, row) -> PagedCache:

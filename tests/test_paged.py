@@ -72,7 +72,8 @@ def check_paged_equals_contiguous(cfg):
     def step(state, flat, qs, ks, vs, active):
         """Both states' attention before the step, then both appended."""
         before = paged.decode_attention_reference(qs, state), decode_attention_reference(qs, flat)
-        state, seen = paged.append(state, ks, vs, active, q=qs)
+        state = paged.append(state, ks, vs, active, q=qs)
+        seen = paged.view(state)
         return state, seen, append(flat, ks, vs, active, q=qs), before
 
     active = jnp.array([True, True, True])
@@ -104,7 +105,7 @@ def test_a_write_without_its_page_sets_the_rows_overflow():
                   jnp.ones((1, 63, H, D)))  # fmt: skip
     table = jnp.array([[0, paged.NO_PAGE, paged.NO_PAGE, paged.NO_PAGE]], jnp.int32)
     state = paged.put_sequence(dataclasses.replace(state, table=table), one, 0)  # [0, 64): page 0
-    step = jax.jit(lambda s: paged.append(s, jnp.ones((1, H, D)), jnp.ones((1, H, D)))[0])
+    step = jax.jit(lambda s: paged.append(s, jnp.ones((1, H, D)), jnp.ones((1, H, D))))
     state = step(state)  # token 63 completes the group [32, 64), in page 0
     assert not state.rows.overflow[0]
     for _ in range(32):  # tokens 64..95: the group [64, 96) has no page
@@ -159,3 +160,22 @@ def test_paged_reference_reads_page_by_page_as_the_reference_reads_the_view(kind
     want = decode_attention_reference(q, paged.view(state), window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(np.asarray(got)[3], 0.0)
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "full"])
+def test_append_writes_two_pages_a_row_as_the_whole_view_would(kind):
+    # rows on both sides of page and flush boundaries (page 64, R = G = 32), one at max_len - 1
+    # (its second step is past max_len), one without pages; the rows outgrow their pages
+    # (writes dropped, overflow set) on both paths alike
+    state = random_paged(CONFIGS[kind], [63, 64, 95, 96, 255, 20], seed=3)
+    rng = np.random.default_rng(4)
+    paged_step = jax.jit(paged.append)
+    view_step = jax.jit(lambda s, k, v, a: paged._append_through_view(s, k, v, a, q=None))
+    by_view = state
+    for _step in range(40):
+        k, v = (jnp.asarray(rng.standard_normal((6, H, D)), jnp.float32) for _ in range(2))
+        active = jnp.asarray(rng.random(6) < 0.9)
+        state, by_view = paged_step(state, k, v, active), view_step(by_view, k, v, active)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(by_view), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(state.rows.overflow)[4]  # a step past max_len
