@@ -360,17 +360,42 @@ def decode_attention(
     """kivi_jax.attention.decode_attention over a PagedCache (same arguments, `impl` names and
     result), reading through the table where the implementation can:
 
-      "reference"  plain jnp page by page (`_attention_by_pages`: no contiguous view); a mixed
-                   state through the view (`reads_by_page`)
-      otherwise    the contiguous implementation on the view (the table gathered)
+      "reference"   plain jnp page by page (`_attention_by_pages`; no contiguous view); a mixed
+                    state on the view (`reads_by_page`)
+      "pallas"      the GPU kernels with the table as an operand, each tile's page id loaded
+                    in the kernel (`gpu.decode_attention_pallas_paged`); a mixed state
+                    (kivi2-mix): the contiguous kernels on the view
+      "pallas_tpu"  the contiguous TPU kernel on the view (the table as a scalar-prefetch
+                    operand is not written)
+      "auto"        on a GPU "pallas" where the kernels support the state, cuDNN on the view
+                    for a bfloat16/float16 FullCache; on a TPU as kivi_jax.attention does, on
+                    the view; else "reference". A window: "reference".
     """
-    from kivi_jax.attention import IMPLEMENTATIONS
+    from kivi_jax.attention import IMPLEMENTATIONS, cudnn_unsupported_reason
     from kivi_jax.attention import decode_attention as contiguous
 
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
-    if impl == "reference" or (impl == "auto" and jax.default_backend() == "cpu"):
+    backend = jax.default_backend()
+    if impl == "auto":
+        impl = "reference" if window is not None or backend not in ("gpu", "tpu") else impl
+    if impl == "reference":
         if reads_by_page(paged):
             return _attention_by_pages(q, paged, window)
         return decode_attention_reference(q, paged, window)
+    from kivi_jax.pallas_kernels.decode_attention import gpu
+
+    by_table = window is None and reads_by_page(paged)
+    if impl == "pallas" and by_table and isinstance(paged.rows, KiviCache):
+        if not interpret and backend != "gpu":
+            raise NotImplementedError(
+                f"impl='pallas': the fused kernel runs on a CUDA GPU (backend here: {backend}); "
+                "pass interpret=True to run it on the CPU"
+            )
+        return gpu.decode_attention_pallas_paged(q, paged, interpret=interpret)
+    if impl == "auto" and backend == "gpu" and by_table:
+        if gpu.unsupported_paged_reason(q, paged) is None:
+            return gpu.decode_attention_pallas_paged(q, paged)
+        if cudnn_unsupported_reason(q, page(paged, 0)) is not None:
+            return _attention_by_pages(q, paged, None)
     return contiguous(q, view(paged), impl=impl, interpret=interpret, window=window)
