@@ -10,6 +10,9 @@ row has none, NO_PAGE past each row's length.
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -114,3 +117,34 @@ def test_paged_kernels_lower_to_triton(monkeypatch, n_rep, tuning):
     assert {f"kivi_scores{kind}_paged", f"kivi_values{kind}_paged"} <= {
         n.split("_stages")[0] for n in names
     }
+
+
+def test_a_paged_decode_step_on_a_gpu_gathers_no_view():
+    # one layer's step (the append through the table, then the paged attention) as a GPU runs
+    # it (benchmarks/decode_ops.py: traced with the dispatch seeing a GPU, lowered for CUDA):
+    # its gathers are the two pages of each row that the append writes, and table entries:
+    # each at most 2 / M of the view's largest array (M = 8 pages a row)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode_ops
+
+    B, H, D, ps, M = 2, 2, 64, 64, 8
+    state = jax.eval_shape(lambda: paged.init_paged(
+        kivi_jax.KiviConfig(residual_length=64), batch=B, pages=B * M, page_size=ps,
+        max_len=M * ps, num_kv_heads=H, head_dim=D, dtype=jnp.bfloat16,
+    ))  # fmt: skip
+    x = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+
+    def step(state, q, k, v):
+        state = paged.append(state, k, v, q=q)
+        return paged.decode_attention(q, state), state
+
+    with decode_ops._as_on_a_gpu():
+        text = jax.jit(step, donate_argnums=0).trace(state, x(B, 2 * H, D), x(B, H, D),
+                                                     x(B, H, D))  # fmt: skip
+        text = text.lower(lowering_platforms=("cuda",)).as_text()
+    assert "kivi_scores_mma_paged" in text and "kivi_values_mma_paged" in text
+    largest_view = B * H * (M * ps // 4) * D  # k_codes [B, H, C / kpb, D], 2 bits
+    gathers = re.findall(r"stablehlo\.gather.*-> tensor<([0-9x]+)x[a-z0-9]+>", text)
+    assert gathers
+    for shape in gathers:
+        assert np.prod([int(n) for n in shape.split("x")]) * M // 2 <= largest_view, shape
