@@ -365,11 +365,14 @@ def decode_attention(
       "pallas"      the GPU kernels with the table as an operand, each tile's page id loaded
                     in the kernel (`gpu.decode_attention_pallas_paged`); a mixed state
                     (kivi2-mix): the contiguous kernels on the view
-      "pallas_tpu"  the contiguous TPU kernel on the view (the table as a scalar-prefetch
-                    operand is not written)
+      "pallas_tpu"  the TPU kernel with the table as a scalar-prefetch operand
+                    (`tpu.decode_attention_pallas_tpu_paged`: plain KIVI, page_size a
+                    multiple of its chunk, 512 tokens at G = 32); otherwise the contiguous
+                    TPU kernel on the view
       "auto"        on a GPU "pallas" where the kernels support the state, cuDNN on the view
-                    for a bfloat16/float16 FullCache; on a TPU as kivi_jax.attention does, on
-                    the view; else "reference". A window: "reference".
+                    for a bfloat16/float16 FullCache; on a TPU "pallas_tpu" where it reads
+                    through the table, else as kivi_jax.attention does on the view; else
+                    "reference". A window: "reference".
     """
     from kivi_jax.attention import IMPLEMENTATIONS, cudnn_unsupported_reason
     from kivi_jax.attention import decode_attention as contiguous
@@ -383,7 +386,7 @@ def decode_attention(
         if reads_by_page(paged):
             return _attention_by_pages(q, paged, window)
         return decode_attention_reference(q, paged, window)
-    from kivi_jax.pallas_kernels.decode_attention import gpu
+    from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
 
     by_table = window is None and reads_by_page(paged)
     if impl == "pallas" and by_table and isinstance(paged.rows, KiviCache):
@@ -393,6 +396,17 @@ def decode_attention(
                 "pass interpret=True to run it on the CPU"
             )
         return gpu.decode_attention_pallas_paged(q, paged, interpret=interpret)
+    tpu_paged = by_table and isinstance(paged.rows, KiviCache)
+    if impl == "pallas_tpu" and tpu_paged and tpu.unsupported_paged_reason(q, paged) is None:
+        if not interpret and backend != "tpu":
+            raise NotImplementedError(
+                f"impl='pallas_tpu': the fused kernel runs on a TPU (backend here: {backend}); "
+                "pass interpret=True to run it on the CPU"
+            )
+        return tpu.decode_attention_pallas_tpu_paged(q, paged, interpret=interpret)
+    if impl == "auto" and backend == "tpu" and tpu_paged:
+        if tpu.unsupported_paged_reason(q, paged) is None:
+            return tpu.decode_attention_pallas_tpu_paged(q, paged)
     if impl == "auto" and backend == "gpu" and by_table:
         if gpu.unsupported_paged_reason(q, paged) is None:
             return gpu.decode_attention_pallas_paged(q, paged)

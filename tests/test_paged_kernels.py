@@ -3,8 +3,8 @@ the table as an operand (each tile's page id loaded in the kernel), in interpret
 the reference on the gathered view (tolerance: tests/test_decode_attention_kernel.py's).
 
 States are real (prompts prefilled, then appends: conftest.streamed_cache), cut into pages in a
-random order over a pool with spare pages: row 1's first page is row 0's (shared), the empty
-row has none, NO_PAGE past each row's length.
+random order over a pool with spare pages: the first page of the last row that has pages is
+the first such row's (shared), the empty row has none, NO_PAGE past each row's length.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_matches_reference, streamed_cache, triton_modules
-from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu
+from kivi_jax.pallas_kernels.decode_attention import GpuTuning, gpu, tpu
 
 import kivi_jax
 from kivi_jax import paged
@@ -27,21 +27,23 @@ from kivi_jax import paged
 MAX_LEN = 256
 
 
-def paged_case(rng, *, k_bits, v_bits, D, n_rep, dtype, page_size, H=2, R=64):
-    """(q, a paged state) of rows of 150, 0, 97 and 203 tokens (after 3 appends)."""
+def paged_case(rng, *, k_bits, v_bits, D, n_rep, dtype, page_size, H=2, R=64,
+               prompts=(147, 0, 94, 200), steps=3, max_len=MAX_LEN):  # fmt: skip
+    """(q, a paged state): by default rows of 150, 0, 97 and 203 tokens (after 3 appends)."""
     cfg = kivi_jax.KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=32, residual_length=R)
-    prompts = [147, 0, 94, 200]
-    cache = streamed_cache(rng, config=cfg, H=H, D=D, max_len=MAX_LEN, prompts=prompts,
-                           steps=3, dtype=dtype)  # fmt: skip
+    prompts = list(prompts)
+    cache = streamed_cache(rng, config=cfg, H=H, D=D, max_len=max_len, prompts=prompts,
+                           steps=steps, dtype=dtype)  # fmt: skip
     lengths = np.asarray(cache.lengths)
     need = [-(-int(n) // page_size) for n in lengths]
     order = iter(rng.permutation(sum(need) + 2))
-    table = np.full((len(prompts), MAX_LEN // page_size), paged.NO_PAGE, np.int32)
+    table = np.full((len(prompts), -(-max_len // page_size)), paged.NO_PAGE, np.int32)
     for b, n in enumerate(need):
         table[b, :n] = [next(order) for _ in range(n)]
-    table[2, 0] = table[0, 0]  # rows 0 and 2 share a page (row 2's tokens, put last)
+    holders = [b for b, n in enumerate(need) if n]
+    table[holders[-1], 0] = table[holders[0], 0]  # shared: the last row's tokens (put last)
     state = paged.init_paged(cfg, batch=len(prompts), pages=sum(need) + 2, page_size=page_size,
-                             max_len=MAX_LEN, num_kv_heads=H, head_dim=D, dtype=dtype)  # fmt: skip
+                             max_len=max_len, num_kv_heads=H, head_dim=D, dtype=dtype)  # fmt: skip
     state = dataclasses.replace(state, table=jnp.asarray(table))
     for b in range(len(prompts)):
         state = paged.put_sequence(state, jax.tree.map(lambda x, b=b: x[b : b + 1], cache), b)
@@ -148,3 +150,33 @@ def test_a_paged_decode_step_on_a_gpu_gathers_no_view():
     assert gathers
     for shape in gathers:
         assert np.prod([int(n) for n in shape.split("x")]) * M // 2 <= largest_view, shape
+
+
+def test_the_tpu_kernel_reads_the_table_as_a_scalar_prefetch_operand_interpret(rng):
+    # TPU interpret mode (unused memory NaN): pages of 512 tokens, one block of one chunk each;
+    # rows of 0, 131 (one quantized value) and 603 tokens (the key tail [384, 512) ends a
+    # chunk; past a page)
+    import test_decode_attention_tpu as tpu_tests
+
+    q, state = paged_case(rng, k_bits=2, v_bits=4, D=64, n_rep=2, dtype=jnp.bfloat16,
+                          page_size=512, R=128, prompts=(0, 131, 603), steps=0,
+                          max_len=1024)  # fmt: skip
+    run = lambda q, s: paged.decode_attention(q, s, impl="pallas_tpu", interpret=True)
+    assert "kivi_decode_tpu_paged" in str(jax.make_jaxpr(run)(q, state))
+    tpu_tests._check(q, paged.view(state), attend=lambda q, _: run(q, state))
+
+
+@pytest.mark.parametrize(("n_rep", "D"), [(1, 128), (4, 64)])
+def test_the_paged_tpu_kernel_lowers_for_tpu(n_rep, D):
+    # Pallas's TPU lowering (block shapes against the tiling, the index maps reading the
+    # table from SMEM) accepts it: one Mosaic custom call, at 8 rows of 16 pages of 2048
+    B, H, ps, M = 8, 2, 2048, 16
+    cfg = kivi_jax.KiviConfig(group_size=32, residual_length=128)
+    state = jax.eval_shape(lambda: paged.init_paged(
+        cfg, batch=B, pages=B * M, page_size=ps, max_len=M * ps, num_kv_heads=H, head_dim=D,
+        dtype=jnp.bfloat16,
+    ))  # fmt: skip
+    q = jax.ShapeDtypeStruct((B, H * n_rep, D), jnp.bfloat16)
+    run = lambda q, s: tpu.decode_attention_pallas_tpu_paged(q, s)
+    hlo = jax.jit(run).trace(q, state).lower(lowering_platforms=("tpu",)).as_text()
+    assert hlo.count("tpu_custom_call") == 1

@@ -64,6 +64,11 @@ a tensor-core pair where it supports the configuration (`gqa_scores.py`, `gqa_va
 warp per KV head serves all its query heads; `GpuTuning.gqa_scores`, `gqa_values`). The kernels read
 one layer's arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode
 step hands them over without a copy.
+
+Over a page pool (kivi_jax.paged) every kernel takes the row's page table as one more operand
+and the KV head's whole pool as one block; each tile lies in one page, whose id the kernel loads
+from the table (`pages.py`, `decode_attention_pallas_paged`): the same loads from another
+start, the outputs in the row's token order.
 """
 
 from __future__ import annotations
