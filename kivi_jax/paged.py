@@ -201,7 +201,7 @@ def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
     (`reads_by_page`; a mixed state, whose sinks and heavy tokens are sequence positions, on
     the whole view), and writes them back."""
     if not reads_by_page(paged):
-        return _append_through_view(paged, k, v, active, q=q)
+        return _append_through_view(paged, k, v, active, q=q)[0]
     n, ps, cap = paged.rows.lengths, paged.page_size, paged.rows.max_len
     r = paged.rows.config.residual_length if isinstance(paged.rows, KiviCache) else 0
     wanted = jnp.ones(n.shape, bool) if active is None else jnp.asarray(active)
@@ -243,9 +243,10 @@ def _flag_missing(paged: PagedCache, dropped: jax.Array) -> PagedCache:
     )
 
 
-def _append_through_view(paged: PagedCache, k, v, active, *, q) -> PagedCache:
+def _append_through_view(paged: PagedCache, k, v, active, *, q) -> tuple[PagedCache, Cache]:
     """`append` on the whole contiguous view, the two pages a step can write (those of tokens
-    l - 1 - R and l - 1 after it) put back through the table."""
+    l - 1 - R and l - 1 after it) put back through the table -> (the paged state, the view
+    after the step)."""
     cache = cache_lib.append(view(paged), k, v, active, q=q)
     n, ps = cache.lengths, paged.page_size
     r = cache.config.residual_length if isinstance(cache, KiviCache) else 0
@@ -253,7 +254,25 @@ def _append_through_view(paged: PagedCache, k, v, active, *, q) -> PagedCache:
     rows, tokens = split(cache, paged.token_axes)
     ids = jnp.take_along_axis(paged.table, at, axis=1)  # [B, 2]
     out = dataclasses.replace(paged, rows=rows, pages=_put_pages(paged, tokens, ids, at))
-    return _flag_missing(out, jnp.zeros_like(rows.overflow))
+    out = _flag_missing(out, jnp.zeros_like(rows.overflow))
+    return out, merge(out.rows, tokens)
+
+
+def append_and_attend(
+    paged: PagedCache, q: jax.Array, k: jax.Array, v: jax.Array, active=None, *,
+    window: int | None = None,
+) -> tuple[PagedCache, jax.Array]:  # fmt: skip
+    """One layer's decode step through the table: `append` (this step's k, v [B, H, D]),
+    then `decode_attention` of q [B, Nq, D] over the state holding them -> (the paged state,
+    the attention [B, Nq, D]). A mixed state, read through the view, gathers it once: its
+    append's view is what kivi_jax.attention.decode_attention reads."""
+    if reads_by_page(paged):
+        out = append(paged, k, v, active, q=q)
+        return out, decode_attention(q, out, window=window)
+    from kivi_jax.attention import decode_attention as contiguous
+
+    out, held = _append_through_view(paged, k, v, active, q=q)
+    return out, contiguous(q, held, window=window)
 
 
 def put_sequence(paged: PagedCache, cache: Cache, row) -> PagedCache:

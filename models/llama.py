@@ -41,9 +41,7 @@ from kivi_jax.attention import decode_attention
 from kivi_jax.cache import KiviCache, init_cache
 from kivi_jax.cache import append as cache_append
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.paged import PagedCache
-from kivi_jax.paged import append as paged_append
-from kivi_jax.paged import decode_attention as paged_decode_attention
+from kivi_jax.paged import PagedCache, append_and_attend
 from kivi_jax.weights import QuantizedWeight, concat_columns, dense, storage_bits
 
 
@@ -592,8 +590,7 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
         if isinstance(cache, PagedCache):  # written and read through the table
-            cache = paged_append(cache, k, v, active, q=q)
-            attn = paged_decode_attention(q, cache, window=c.sliding_window)
+            cache, attn = append_and_attend(cache, q, k, v, active, window=c.sliding_window)
         else:
             cache = cache_append(cache, k, v, active=active, q=q)
             attn = decode_attention(q, cache, window=c.sliding_window)  # [B, N, D], this token

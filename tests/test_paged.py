@@ -170,7 +170,7 @@ def test_append_writes_two_pages_a_row_as_the_whole_view_would(kind):
     state = random_paged(CONFIGS[kind], [63, 64, 95, 96, 255, 20], seed=3)
     rng = np.random.default_rng(4)
     paged_step = jax.jit(paged.append)
-    view_step = jax.jit(lambda s, k, v, a: paged._append_through_view(s, k, v, a, q=None))
+    view_step = jax.jit(lambda s, k, v, a: paged._append_through_view(s, k, v, a, q=None)[0])
     by_view = state
     for _step in range(40):
         k, v = (jnp.asarray(rng.standard_normal((6, H, D)), jnp.float32) for _ in range(2))
