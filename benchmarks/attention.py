@@ -15,7 +15,12 @@ measure the HBM read bandwidth that the bytes each method must read are held to.
 
     python benchmarks/attention.py --out benchmarks/results
 
-writes attention.json, attention.md and attention.png (speed-up against context length).
+writes attention.json, attention.md and attention.png (speed-up against context length). On a
+GPU each row also times KIVI-2 and KIVI-4 through a page table (kivi2-paged, kivi4-paged: the
+same states cut into pages of --page-size tokens in a random order over one pool, read by the
+paged kernels) against the contiguous kernels; the paged rows alone at 8 x 32k:
+
+    python benchmarks/attention.py --only 8x32k --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -277,6 +282,28 @@ def kivi_states(key, s: Shape, bits: int):
     return out
 
 
+def paged_kivi_states(key, s: Shape, bits: int, page_size: int):
+    """`kivi_states` cut into pages of `page_size` tokens in a random order over one pool (the
+    serving engine's layout, kivi_jax.paged): the token arrays [B * M, H, page_size / ., .],
+    the table int32 [B, M] (M = context / page_size), the rings and lengths as they were."""
+    m = s.context // page_size
+    out = []
+    for i, state in enumerate(kivi_states(key, s, bits)):
+        order = jax.random.permutation(jax.random.fold_in(key, 2000 + i), s.batch * m)
+        # page j of the pool holds page order[j] (b * M + m) of the contiguous rows
+        table = jnp.argsort(order).astype(jnp.int32).reshape(s.batch, m)
+
+        def pool(x, order=order):  # [B, H, C / e, .] -> [B * M, H, page_size / e, .]
+            b, h, n, w = x.shape
+            x = x.reshape(b, h, m, n // m, w).transpose(0, 2, 1, 3, 4)
+            return x.reshape(b * m, h, n // m, w)[order]
+
+        paged = {k: pool(v) if k.endswith(("codes", "scale", "zero")) else v
+                 for k, v in state.items()}  # fmt: skip
+        out.append(dict(paged, table=table))
+    return out
+
+
 def kivi_step(bits: int, tuning: GpuTuning | TpuTuning, interpret: bool = False, mix: bool = False):
     """A step over `kivi_states` (or, with `mix`, `mix_states`: GPU only)."""
     kernel = (
@@ -302,9 +329,11 @@ def bench_shape(
     tuning: GpuTuning,
     interpret: bool = False,
     baselines: dict | None = None,
+    page_size: int = 128,
 ) -> dict:
     """One table row. With `baselines` (a row of an earlier run of this script on the same
-    machine), the bf16 baselines are taken from it instead of being timed again."""
+    machine), the bf16 baselines are taken from it instead of being timed again. On a GPU the
+    KIVI states are timed contiguous and through a page table of `page_size` tokens a page."""
     key = jax.random.key(hash(s.name) % 2**31)
     qs = _queries(key, s, calls)
     row = {"shape": s.name, **dataclasses.asdict(s), "methods": {}}
@@ -364,11 +393,19 @@ def bench_shape(
         mix, plain = row["methods"]["kivi2-mix"], row["methods"].get("kivi2", {})
         if "us" in mix and "us" in plain:
             mix["vs_kivi2"] = mix["us"] / plain["us"]
+        for bits in (2, 4):  # the same states through a random page table (`paged_kivi_states`)
+            states = paged_kivi_states(key, s, bits, page_size)
+            name = f"kivi{bits}-paged"
+            record(name, kivi_bytes(s, bits), kivi_step(bits, tuning, interpret), (qs, states))
+            del states
+            paged, plain = row["methods"][name], row["methods"].get(f"kivi{bits}", {})
+            if "us" in paged and "us" in plain:
+                paged["vs_contiguous"] = paged["us"] / plain["us"]
     for key_, speedup in (("us", "speedup"), ("host_us", "host_speedup")):
         base = [m[key_] for k, m in row["methods"].items() if k in BF16_METHODS and key_ in m]
         if base:
             row[f"best_bf16_{key_}"] = min(base)
-            for name in ("kivi2", "kivi4", "kivi2-mix"):
+            for name in ("kivi2", "kivi4", "kivi2-mix", "kivi2-paged", "kivi4-paged"):
                 m = row["methods"].get(name, {})
                 if key_ in m:
                     m[speedup] = min(base) / m[key_]
@@ -610,6 +647,34 @@ def write_markdown(result: dict, path: Path) -> None:
             "|---|---:|---:|---:|",
             *(f"| {n} | {k2:.1f} | {m['us']:.1f} | {m['vs_kivi2']:.2f}x |" for n, k2, m in mixes),
         ]
+    paged = [
+        (
+            row["shape"],
+            bits,
+            row["methods"][f"kivi{bits}"]["us"],
+            row["methods"][f"kivi{bits}-paged"],
+        )
+        for row in result["rows"]
+        for bits in (2, 4)
+        if "vs_contiguous" in row["methods"].get(f"kivi{bits}-paged", {})
+    ]
+    if paged:
+        lines += [
+            "",
+            "## Paged against contiguous",
+            "",
+            f"The same KIVI states cut into pages of {result.get('page_size')} tokens in a random "
+            "order over one pool (the serving engine's layout, `kivi_jax.paged`), read by the "
+            "paged kernels through the page table (`decode_attention_pallas_paged`); target: "
+            "at most 1.1x the contiguous kernels' time at 8 x 32k.",
+            "",
+            "| shape | bits | contiguous µs | paged µs | paged / contiguous |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                f"| {n} | {b} | {c:.1f} | {m['us']:.1f} | {m['vs_contiguous']:.2f}x |"
+                for n, b, c, m in paged
+            ),
+        ]
     if result.get("kernels"):
         lines += [
             "",
@@ -728,6 +793,14 @@ def main(argv=None) -> None:
     p.add_argument("--baselines", type=Path, help="reuse bf16 rows of an earlier attention.json")
     p.add_argument("--deadline-s", type=float, default=None, help="stop adding rows after this")
     p.add_argument("--tuning", type=json.loads, default={}, help="KernelTuning fields (JSON)")
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=128,
+        help="tokens a page of the paged rows (kivi2-paged, kivi4-paged: the KIVI states "
+        "through a random page table, against kivi2, kivi4; not on a TPU; a multiple of 32 "
+        "dividing the contexts; --only 8x32k: the 8 x 32k rows alone)",
+    )
     args = p.parse_args(argv)
     shapes = SHAPES
     if args.smoke:
@@ -749,6 +822,7 @@ def main(argv=None) -> None:
         "repeats": args.repeats,
         "group_size": GROUP,
         "residual_length": RESIDUAL,
+        "page_size": args.page_size,
         "rows": [],
     }
     tuning = (TpuTuning if dev.platform == "tpu" else KernelTuning)(**args.tuning)
@@ -807,6 +881,7 @@ def main(argv=None) -> None:
                 tuning=tuning,
                 interpret=args.smoke,
                 baselines=earlier.get(s.name) if args.baselines else None,
+                page_size=args.page_size,
             )
         )
         (args.out / "attention.json").write_text(json.dumps(result, indent=1))

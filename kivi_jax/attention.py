@@ -31,14 +31,10 @@ def check_decode_inputs(q: jax.Array, cache: Cache) -> int:
     return hq // cache.num_kv_heads
 
 
-def decode_attention_reference(q: jax.Array, cache: Cache, window: int | None = None) -> jax.Array:
-    """softmax(q . K / sqrt(d)) . V over each sequence's held tokens, in float32.
-
-    q: [batch, q_heads, head_dim]; query head h reads KV head h // (q_heads // kv_heads).
-    window: None, or W: only the last W tokens of each sequence (the query's own and the W - 1
-      before it; a sliding-window model's).
-    Returns [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
-    """
+def masked_logits(q: jax.Array, cache: Cache, window: int | None = None):
+    """The reference's logits and values: (q . k / sqrt(d) float32 [B, H, rep, C], -inf at the
+    tokens not read; which tokens are read [B, 1, 1, C]; the values float32 [B, H, C, D]),
+    query head h at [b, h // rep, h % rep] (arguments: `decode_attention_reference`)."""
     n_rep = check_decode_inputs(q, cache)
     b, hq, d = q.shape
     k, v = dequantized_heads_major(cache)  # [B, H, C, D] float32
@@ -49,12 +45,24 @@ def decode_attention_reference(q: jax.Array, cache: Cache, window: int | None = 
     held = t < n  # [B, 1, 1, C]
     if window is not None:
         held &= t >= n - window
-    s = jnp.where(held, s, -jnp.inf)
+    return jnp.where(held, s, -jnp.inf), held, v
+
+
+def decode_attention_reference(q: jax.Array, cache: Cache, window: int | None = None) -> jax.Array:
+    """softmax(q . K / sqrt(d)) . V over each sequence's held tokens, in float32.
+
+    q: [batch, q_heads, head_dim]; query head h reads KV head h // (q_heads // kv_heads).
+    window: None, or W: only the last W tokens of each sequence (the query's own and the W - 1
+      before it; a sliding-window model's).
+    Returns [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
+    """
+    s, held, v = masked_logits(q, cache, window)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(held, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    hi = jax.lax.Precision.HIGHEST
     out = jnp.einsum("bhrt,bhtd->bhrd", p, v, precision=hi) / jnp.where(denom > 0, denom, 1.0)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

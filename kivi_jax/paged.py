@@ -192,25 +192,87 @@ def _extent(cache: Cache) -> jax.Array:
     return n - n % cache.config.group_size
 
 
-def append(
-    paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
-) -> tuple[PagedCache, Cache]:
-    """kivi_jax.cache.append through the table: returns (the paged state after the step, the
-    contiguous view of it, which decode attention then reads). One step writes tokens in
-    [l - 1 - R, l) only (a leaving value, a completed key group: R <= page_size), so the view's
-    pages holding l - 1 and l - 1 - R are written back."""
+def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None) -> PagedCache:
+    """kivi_jax.cache.append through the table (same arguments; the paged state after the
+    step, bit for bit the pages and rows of the contiguous state's). One step writes tokens
+    in [l - R, l] only (the value leaving the window, l - R, and a key group completed at l,
+    R <= page_size; a full-precision state token l), which lie in the two pages from the one
+    holding token max(l - R, 0): the append runs on those two pages of each row
+    (`reads_by_page`; a mixed state, whose sinks and heavy tokens are sequence positions, on
+    the whole view), and writes them back."""
+    if not reads_by_page(paged):
+        return _append_through_view(paged, k, v, active, q=q)[0]
+    n, ps, cap = paged.rows.lengths, paged.page_size, paged.rows.max_len
+    r = paged.rows.config.residual_length if isinstance(paged.rows, KiviCache) else 0
+    wanted = jnp.ones(n.shape, bool) if active is None else jnp.asarray(active)
+    if wanted.shape != n.shape or wanted.dtype != jnp.bool_:
+        raise ValueError(
+            f"append: active must be bools of shape {n.shape}, got "
+            f"{wanted.dtype}{list(wanted.shape)}"
+        )
+    fits = wanted & (n < cap)
+    if not isinstance(fits, jax.core.Tracer) and not bool(jnp.all(fits == wanted)):
+        bad = np.flatnonzero(np.asarray(wanted & ~fits))
+        raise ValueError(
+            f"cache capacity exceeded: max_len={cap}, but rows {bad.tolist()} would hold "
+            f"{(np.asarray(n)[bad] + 1).tolist()} tokens"
+        )
+    first = jnp.maximum(n - r, 0) // ps  # [B] the window's first table column
+    cols = first[:, None] + jnp.arange(2)  # [B, 2]
+    ids = jnp.take_along_axis(paged.table, cols, axis=1, mode="fill", fill_value=NO_PAGE)
+    window = view(dataclasses.replace(paged, table=ids))  # [B] rows of two pages
+    base = first * ps
+    window = dataclasses.replace(window, lengths=n - base, max_len=2 * ps)
+    out = cache_lib.append(window, k, v, fits, q=q)
+    out = dataclasses.replace(out, lengths=out.lengths + base, max_len=cap)
+    rows, tokens = split(out, paged.token_axes)
+    pages = _put_pages(paged, tokens, ids, jnp.broadcast_to(jnp.arange(2), ids.shape))
+    return _flag_missing(dataclasses.replace(paged, rows=rows, pages=pages), wanted & ~fits)
+
+
+def _flag_missing(paged: PagedCache, dropped: jax.Array) -> PagedCache:
+    """`paged` with the overflow flag set on the rows whose step was `dropped` (past max_len)
+    or whose last complete key group (a full-precision state: last token) has no page."""
+    rows = paged.rows
+    extent = _extent(rows)
+    last = jnp.maximum(extent - 1, 0) // paged.page_size
+    page_of_last = jnp.take_along_axis(paged.table, last[:, None], axis=1)[:, 0]
+    missing = (extent > 0) & (page_of_last == NO_PAGE)
+    return dataclasses.replace(
+        paged, rows=dataclasses.replace(rows, overflow=rows.overflow | dropped | missing)
+    )
+
+
+def _append_through_view(paged: PagedCache, k, v, active, *, q) -> tuple[PagedCache, Cache]:
+    """`append` on the whole contiguous view, the two pages a step can write (those of tokens
+    l - 1 - R and l - 1 after it) put back through the table -> (the paged state, the view
+    after the step)."""
     cache = cache_lib.append(view(paged), k, v, active, q=q)
     n, ps = cache.lengths, paged.page_size
     r = cache.config.residual_length if isinstance(cache, KiviCache) else 0
     at = jnp.stack([jnp.maximum(n - 1 - r, 0) // ps, jnp.maximum(n - 1, 0) // ps], axis=1)
     rows, tokens = split(cache, paged.token_axes)
     ids = jnp.take_along_axis(paged.table, at, axis=1)  # [B, 2]
-    last = jnp.maximum(_extent(cache) - 1, 0) // ps
-    missing = (_extent(cache) > 0) & (jnp.take_along_axis(paged.table, last[:, None], 1)[:, 0]
-                                      == NO_PAGE)  # fmt: skip
-    rows = dataclasses.replace(rows, overflow=rows.overflow | missing)
     out = dataclasses.replace(paged, rows=rows, pages=_put_pages(paged, tokens, ids, at))
-    return out, merge(rows, tokens)
+    out = _flag_missing(out, jnp.zeros_like(rows.overflow))
+    return out, merge(out.rows, tokens)
+
+
+def append_and_attend(
+    paged: PagedCache, q: jax.Array, k: jax.Array, v: jax.Array, active=None, *,
+    window: int | None = None,
+) -> tuple[PagedCache, jax.Array]:  # fmt: skip
+    """One layer's decode step through the table: `append` (this step's k, v [B, H, D]),
+    then `decode_attention` of q [B, Nq, D] over the state holding them -> (the paged state,
+    the attention [B, Nq, D]). A mixed state, read through the view, gathers it once: its
+    append's view is what kivi_jax.attention.decode_attention reads."""
+    if reads_by_page(paged):
+        out = append(paged, k, v, active, q=q)
+        return out, decode_attention(q, out, window=window)
+    from kivi_jax.attention import decode_attention as contiguous
+
+    out, held = _append_through_view(paged, k, v, active, q=q)
+    return out, contiguous(q, held, window=window)
 
 
 def put_sequence(paged: PagedCache, cache: Cache, row) -> PagedCache:
@@ -252,7 +314,121 @@ def _leaf(tree, path):
 
 def decode_attention_reference(q: jax.Array, paged: PagedCache, window: int | None = None):
     """kivi_jax.attention.decode_attention_reference over the pages: the table gathered into
-    the contiguous view, then the reference (same arguments and result)."""
+    the contiguous view, then the reference (same arguments and result). What the paged
+    attention (`decode_attention`) is tested against."""
     from kivi_jax.attention import decode_attention_reference as reference
 
     return reference(q, view(paged), window)
+
+
+def reads_by_page(paged: PagedCache) -> bool:
+    """Whether a page's tokens can be read on their own, knowing only the row's length: a
+    FullCache, or plain KIVI (a ring slot t % R, page_size a multiple of R). A mixed state's
+    sinks and heavy tokens are positions in the whole sequence: it is read through the view."""
+    return not (isinstance(paged.rows, KiviCache) and paged.rows.side is not None)
+
+
+def page(paged: PagedCache, m) -> Cache:
+    """Table column m as a contiguous Cache of page_size tokens, its token i each row's token
+    m * page_size + i (lengths less m * page_size, so a row's rings and masks read as they do
+    in the view; a missing page reads as zeros). Only where `reads_by_page`."""
+    ids = jax.lax.dynamic_index_in_dim(paged.table, m, axis=1, keepdims=False)  # [B]
+    take = lambda x: jnp.take(x, ids, axis=0, mode="fill", fill_value=0)
+    rows = dataclasses.replace(paged.rows, lengths=paged.rows.lengths - m * paged.page_size)
+    return dataclasses.replace(merge(rows, jax.tree.map(take, paged.pages)),
+                               max_len=paged.page_size)  # fmt: skip
+
+
+def _attention_by_pages(q: jax.Array, paged: PagedCache, window: int | None) -> jax.Array:
+    """The reference read page by page: each table column's logits and values
+    (`kivi_jax.attention.masked_logits` of `page`), merged by an online softmax in float32; no
+    contiguous view. Equals the reference up to float32 rounding (the order of the sums)."""
+    from kivi_jax.attention import check_decode_inputs, masked_logits
+
+    b, _, d = q.shape
+    first = page(paged, 0)
+    rep, h = check_decode_inputs(q, first), first.num_kv_heads
+    hi = jax.lax.Precision.HIGHEST
+
+    def step(carry, m):
+        top, total, acc = carry  # [B, H, rep, 1], [B, H, rep, 1], [B, H, rep, D]
+        s, held, v = masked_logits(q, page(paged, m), window)  # [B, H, rep, ps], v [B, H, ps, D]
+        new = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
+        base = jnp.where(jnp.isfinite(new), new, 0.0)
+        p = jnp.where(held, jnp.exp(s - base), 0.0)
+        keep = jnp.exp(top - base)  # 0 while top is -inf
+        total = total * keep + jnp.sum(p, axis=-1, keepdims=True)
+        acc = acc * keep + jnp.einsum("bhrt,bhtd->bhrd", p, v, precision=hi)
+        return (new, total, acc), None
+
+    init = (jnp.full((b, h, rep, 1), -jnp.inf, jnp.float32), jnp.zeros((b, h, rep, 1), jnp.float32),
+            jnp.zeros((b, h, rep, d), jnp.float32))  # fmt: skip
+    (_, total, acc), _ = jax.lax.scan(step, init, jnp.arange(paged.max_pages))
+    out = acc / jnp.where(total > 0, total, 1.0)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def decode_attention(
+    q: jax.Array,
+    paged: PagedCache,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    window: int | None = None,
+) -> jax.Array:
+    """kivi_jax.attention.decode_attention over a PagedCache (same arguments, `impl` names and
+    result), reading through the table where the implementation can:
+
+      "reference"   plain jnp page by page (`_attention_by_pages`; no contiguous view); a mixed
+                    state on the view (`reads_by_page`)
+      "pallas"      the GPU kernels with the table as an operand, each tile's page id loaded
+                    in the kernel (`gpu.decode_attention_pallas_paged`); a mixed state
+                    (kivi2-mix): the contiguous kernels on the view
+      "pallas_tpu"  the TPU kernel with the table as a scalar-prefetch operand
+                    (`tpu.decode_attention_pallas_tpu_paged`: plain KIVI, page_size a
+                    multiple of its chunk, 512 tokens at G = 32); otherwise the contiguous
+                    TPU kernel on the view
+      "auto"        on a GPU "pallas" where the kernels support the state, cuDNN on the view
+                    for a bfloat16/float16 FullCache; on a TPU "pallas_tpu" where it reads
+                    through the table, else as kivi_jax.attention does on the view; else
+                    "reference". A window: "reference".
+    """
+    from kivi_jax.attention import IMPLEMENTATIONS, cudnn_unsupported_reason
+    from kivi_jax.attention import decode_attention as contiguous
+
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "auto":
+        impl = "reference" if window is not None or backend not in ("gpu", "tpu") else impl
+    if impl == "reference":
+        if reads_by_page(paged):
+            return _attention_by_pages(q, paged, window)
+        return decode_attention_reference(q, paged, window)
+    from kivi_jax.pallas_kernels.decode_attention import gpu, tpu
+
+    by_table = window is None and reads_by_page(paged)
+    if impl == "pallas" and by_table and isinstance(paged.rows, KiviCache):
+        if not interpret and backend != "gpu":
+            raise NotImplementedError(
+                f"impl='pallas': the fused kernel runs on a CUDA GPU (backend here: {backend}); "
+                "pass interpret=True to run it on the CPU"
+            )
+        return gpu.decode_attention_pallas_paged(q, paged, interpret=interpret)
+    tpu_paged = by_table and isinstance(paged.rows, KiviCache)
+    if impl == "pallas_tpu" and tpu_paged and tpu.unsupported_paged_reason(q, paged) is None:
+        if not interpret and backend != "tpu":
+            raise NotImplementedError(
+                f"impl='pallas_tpu': the fused kernel runs on a TPU (backend here: {backend}); "
+                "pass interpret=True to run it on the CPU"
+            )
+        return tpu.decode_attention_pallas_tpu_paged(q, paged, interpret=interpret)
+    if impl == "auto" and backend == "tpu" and tpu_paged:
+        if tpu.unsupported_paged_reason(q, paged) is None:
+            return tpu.decode_attention_pallas_tpu_paged(q, paged)
+    if impl == "auto" and backend == "gpu" and by_table:
+        if gpu.unsupported_paged_reason(q, paged) is None:
+            return gpu.decode_attention_pallas_paged(q, paged)
+        if cudnn_unsupported_reason(q, page(paged, 0)) is not None:
+            return _attention_by_pages(q, paged, None)
+    return contiguous(q, view(paged), impl=impl, interpret=interpret, window=window)

@@ -41,8 +41,7 @@ from kivi_jax.attention import decode_attention
 from kivi_jax.cache import KiviCache, init_cache
 from kivi_jax.cache import append as cache_append
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.paged import PagedCache
-from kivi_jax.paged import append as paged_append
+from kivi_jax.paged import PagedCache, append_and_attend
 from kivi_jax.weights import QuantizedWeight, concat_columns, dense, storage_bits
 
 
@@ -574,7 +573,7 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
       tokens: int32 [B], the token fed at this step.
       positions: int32 [B], its position (the number of tokens already in the state).
       caches: one KV state per layer: a contiguous Cache, or a kivi_jax.paged.PagedCache (the
-        step's writes go through its table; attention reads the view it gathers).
+        step's writes and the attention's reads go through its table).
       active: optional bool [B]; inactive sequences append nothing (their logits are meaningless).
 
     Returns:
@@ -590,11 +589,11 @@ def decode_step(params: LlamaParams, tokens: jax.Array, positions: jax.Array, ca
     for lw, cache in zip(params.layers, caches, strict=True):
         x = rms_norm(h, lw.attn_norm, c.rms_eps)
         q, k, v = _qkv(lw, x, positions, c)  # q [B, N, D], k, v [B, H, D]
-        if isinstance(cache, PagedCache):  # the step written through the table; read: its view
-            cache, held = paged_append(cache, k, v, active, q=q)
+        if isinstance(cache, PagedCache):  # written and read through the table
+            cache, attn = append_and_attend(cache, q, k, v, active, window=c.sliding_window)
         else:
-            cache = held = cache_append(cache, k, v, active=active, q=q)
-        attn = decode_attention(q, held, window=c.sliding_window)  # [B, N, D], with this token
+            cache = cache_append(cache, k, v, active=active, q=q)
+            attn = decode_attention(q, cache, window=c.sliding_window)  # [B, N, D], this token
         h = h + _sum_shards(_dense(attn.reshape(B, c.num_heads * c.head_dim), lw.wo), c)
         h = h + _sum_shards(_mlp(lw, rms_norm(h, lw.mlp_norm, c.rms_eps)), c)
         updated.append(cache)

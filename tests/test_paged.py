@@ -72,7 +72,8 @@ def check_paged_equals_contiguous(cfg):
     def step(state, flat, qs, ks, vs, active):
         """Both states' attention before the step, then both appended."""
         before = paged.decode_attention_reference(qs, state), decode_attention_reference(qs, flat)
-        state, seen = paged.append(state, ks, vs, active, q=qs)
+        state = paged.append(state, ks, vs, active, q=qs)
+        seen = paged.view(state)
         return state, seen, append(flat, ks, vs, active, q=qs), before
 
     active = jnp.array([True, True, True])
@@ -104,7 +105,7 @@ def test_a_write_without_its_page_sets_the_rows_overflow():
                   jnp.ones((1, 63, H, D)))  # fmt: skip
     table = jnp.array([[0, paged.NO_PAGE, paged.NO_PAGE, paged.NO_PAGE]], jnp.int32)
     state = paged.put_sequence(dataclasses.replace(state, table=table), one, 0)  # [0, 64): page 0
-    step = jax.jit(lambda s: paged.append(s, jnp.ones((1, H, D)), jnp.ones((1, H, D)))[0])
+    step = jax.jit(lambda s: paged.append(s, jnp.ones((1, H, D)), jnp.ones((1, H, D))))
     state = step(state)  # token 63 completes the group [32, 64), in page 0
     assert not state.rows.overflow[0]
     for _ in range(32):  # tokens 64..95: the group [64, 96) has no page
@@ -116,3 +117,65 @@ def test_page_size_must_hold_whole_flushes():
     with pytest.raises(ValueError, match="multiple of the residual length R=128"):
         paged.init_paged(KiviConfig(), batch=1, pages=1, page_size=96, max_len=256,
                          num_kv_heads=H, head_dim=D)  # fmt: skip
+
+
+def random_paged(cfg, lengths, *, seed, dtype=jnp.float32, heads=H, head_dim=D, page_size=PS,
+                 max_len=MAX_LEN, pages=12):  # fmt: skip
+    """A paged state of random contents (codes, scales, rings: every array read) whose table
+    gives each row its pages for its length in a random order over the pool, row 1 sharing
+    row 0's first page; a KIVI row of fewer than G tokens (all in its ring) takes none;
+    NO_PAGE past each row's length."""
+    rng = np.random.default_rng(seed)
+    kw = dict(num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    state = paged.init_paged(cfg, batch=len(lengths), pages=pages, page_size=page_size,
+                             max_len=max_len, **kw)  # fmt: skip
+
+    def fill(x):
+        if x.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, x.shape), jnp.uint8)
+        if x.dtype in (jnp.int32, jnp.bool_):  # lengths, overflow: set below
+            return x
+        return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+    order = iter(rng.permutation(pages))
+    table = np.full((len(lengths), state.max_pages), paged.NO_PAGE, np.int32)
+    for b, n in enumerate(lengths):
+        if cfg is None or n >= 32:
+            table[b, : -(-n // page_size)] = [next(order) for _ in range(-(-n // page_size))]
+    table[1, 0] = table[0, 0]
+    rows = jax.tree.map(fill, state.rows)
+    rows = dataclasses.replace(rows, lengths=jnp.asarray(lengths, jnp.int32))
+    return dataclasses.replace(state, rows=rows, pages=jax.tree.map(fill, state.pages),
+                               table=jnp.asarray(table))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4-f8", "full", "mix-error"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_paged_reference_reads_page_by_page_as_the_reference_reads_the_view(kind, window):
+    # lengths: two pages and a half (row 0), a row sharing row 0's first page, a row whose
+    # tokens are all in its ring (no page), an empty row, one ending on a page boundary
+    state = random_paged(CONFIGS[kind], [185, 165, 20, 0, 128], seed=1)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((5, N, D)), jnp.float32)
+    got = paged.decode_attention(q, state, impl="reference", window=window)
+    want = decode_attention_reference(q, paged.view(state), window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got)[3], 0.0)
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "full"])
+def test_append_writes_two_pages_a_row_as_the_whole_view_would(kind):
+    # rows on both sides of page and flush boundaries (page 64, R = G = 32), one at max_len - 1
+    # (its second step is past max_len), one without pages; the rows outgrow their pages
+    # (writes dropped, overflow set) on both paths alike
+    state = random_paged(CONFIGS[kind], [63, 64, 95, 96, 255, 20], seed=3)
+    rng = np.random.default_rng(4)
+    paged_step = jax.jit(paged.append)
+    view_step = jax.jit(lambda s, k, v, a: paged._append_through_view(s, k, v, a, q=None)[0])
+    by_view = state
+    for _step in range(40):
+        k, v = (jnp.asarray(rng.standard_normal((6, H, D)), jnp.float32) for _ in range(2))
+        active = jnp.asarray(rng.random(6) < 0.9)
+        state, by_view = paged_step(state, k, v, active), view_step(by_view, k, v, active)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(by_view), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(state.rows.overflow)[4]  # a step past max_len

@@ -64,6 +64,11 @@ a tensor-core pair where it supports the configuration (`gqa_scores.py`, `gqa_va
 warp per KV head serves all its query heads; `GpuTuning.gqa_scores`, `gqa_values`). The kernels read
 one layer's arrays as they are (`kivi_jax.cache`: one buffer per layer), so a model's decode
 step hands them over without a copy.
+
+Over a page pool (kivi_jax.paged) every kernel takes the row's page table as one more operand
+and the KV head's whole pool as one block; each tile lies in one page, whose id the kernel loads
+from the table (`pages.py`, `decode_attention_pallas_paged`): the same loads from another
+start, the outputs in the row's token order.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ from kivi_jax.pallas_kernels.decode_attention import (
     gqa_values,
     loops,
     mixed,
+    pages,
     ptx,
     residual,
     state,
@@ -501,8 +507,10 @@ def _score_kernel(
     groups_per_iter: int,
     prefetch: int,
     interpret: bool,
+    table: pages.RowPages | None = None,
 ):
-    NG, GB, nS, ws = kw_ref.shape
+    NG = s_ref.shape[0]
+    *_, GB, nS, ws = kw_ref.shape
     kpb, n1 = 8 // bits, groups_per_iter
     q = [q_ref[s][None].astype(jnp.float32) * q_scale for s in range(nS)]  # [1, ws, 4]
     length = len_ref[()]
@@ -516,9 +524,10 @@ def _score_kernel(
     def load(k):
         """Tile k: key words per slice [n1, GB, ws], and the key scales and zero points per
         slice [n1, ws, 4]."""
-        g = pl.ds(first_group(k), n1)
-        words = tuple(kw_ref[g, :, s, :] for s in range(nS))
-        params = tuple(tuple(r[g, s] for s in range(nS)) for r in (ks_ref, kz_ref))
+        start = first_group(k)
+        at = (pl.ds(start, n1),) if table is None else table.tile(g_base + start, n1)
+        words = tuple(kw_ref[(*at, slice(None), s, slice(None))] for s in range(nS))
+        params = tuple(tuple(r[(*at, s)] for s in range(nS)) for r in (ks_ref, kz_ref))
         return words, params
 
     def compute(k, tile, m):
@@ -582,6 +591,7 @@ def _value_kernel(
     interleave: bool,
     prefetch: int,
     interpret: bool,
+    table: pages.RowPages | None = None,
 ):
     """One token split of a row: its share of the residual tail (`residual.tail_share`), then the
     split's tiles of quantized values within [0, Pv), both against one max m: the larger of
@@ -590,7 +600,8 @@ def _value_kernel(
     another; XLA merges the splits' partial softmaxes. The loads of the first value tiles and
     (where a row has at most 4 chunks of them, `residual.row_max`) of the score programs' maxima are
     issued before the tail share, so that their latencies overlap its own."""
-    C4, _, n_ch, wpg = vw_ref.shape
+    C4 = s_ref.shape[0]
+    *_, n_ch, wpg = vw_ref.shape
     vpb = 8 // bits
     length = len_ref[()]
     split = pl.program_id(2)
@@ -606,11 +617,17 @@ def _value_kernel(
         """Tile k: per sub-tile and token of a quad, the words, scales, zero points and logits
         (quads clamped into the capacity: a tile past n_tiles is loaded, not used)."""
         i0 = jnp.minimum(tile_start(k) // 4, C4 - step // 4)
+        if table is not None:  # the tile's page (step divides page_size)
+            page, j0 = table.locate(i0)
         tiles = []
         for c in range(chain):
             q = pl.ds(i0 + c * quads, quads)
+            at = (q,) if table is None else (page, pl.ds(j0 + c * quads, quads))
             tiles.append(
-                tuple((vw_ref[q, a], vs_ref[q, a], vz_ref[q, a], s_ref[q, a]) for a in range(4))
+                tuple(
+                    (vw_ref[(*at, a)], vs_ref[(*at, a)], vz_ref[(*at, a)], s_ref[q, a])
+                    for a in range(4)
+                )
             )
         return tuple(tiles)
 
@@ -693,16 +710,19 @@ def _loop_stages(stages: int, interpret: bool) -> int:
     return stages if stages > 1 and (interpret or triton_stages.install()) else 1
 
 
-def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
+def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits, group_size,
                residual_length, tuning, interpret):  # fmt: skip
     """The score kernel. q [B, H, n_rep, D] (queries, any float dtype; the logits are of
     q * q_scale in float32) -> logits [B, H, n_rep, C] of the quantized keys (defined for
     t < Qk) and each program's max [B, H, n_rep, M] (P programs a row, M = P rounded up to a
-    power of two, -1e30 past P: a value program reads them in one load where M <= 1024)."""
+    power of two, -1e30 past P: a value program reads them in one load where M <= 1024).
+    table: None, the keys [B, H, C / kpb, D], [B, H, C / G, D]; or int32 [B, Mp], the keys a
+    pool of pages [Pp, H, ps / kpb, D], [Pp, H, ps / G, D] (kivi_jax.paged), C = Mp * ps, each
+    tile of key groups within one page (`pages`)."""
     tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
     G, kpb = group_size, 8 // bits
-    C = k_codes.shape[2] * kpb
+    C = k_codes.shape[2] * kpb if table is None else table.shape[1] * k_codes.shape[2] * kpb
     GB, W = G // kpb, D // 4  # token bytes per key group, words per token byte
     NG, n1, nS = score_tiles(tuning, capacity=C, group_size=G, head_dim=D, k_bits=bits)
     ws = W // nS  # words per slice of a key row
@@ -712,26 +732,53 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
     zeros = (0,) * len(twos)
     Hq = H * n_rep
     stages = _loop_stages(tuning.key_stages(n_rep, k_bits=bits, programs=B * Hq * P), interpret)
-    kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
+    kernel = functools.partial(
+        _score_kernel,
+        n_groups=C // G,
+        q_scale=q_scale,
+        bits=bits,
+        group_size=G,
+        residual_length=residual_length,
+        groups_per_iter=n1,
+        prefetch=tuning.prefetch if stages == 1 else 0,  # 0: a plain loop
+        interpret=interpret,
+    )
+    if table is None:
+        kv = lambda b, h, p: (b, h // n_rep, p, 0, 0, 0)
+        key_specs = [pl.BlockSpec((None, None, NG, nS, ws, 4), kv)] * 2 + [
+            pl.BlockSpec((None, None, NG, GB, nS, ws), kv)
+        ]
+        keys = (
+            k_scale.reshape(B, H, C // G, nS, ws, 4),
+            k_zero.reshape(B, H, C // G, nS, ws, 4),
+            _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
+        )
+        table_specs, tables = [], ()
+    else:  # the KV head's whole pool, a tile of n1 groups (dividing a page's) placed by the table
+        Pp, gpp = k_codes.shape[0], k_codes.shape[2] * kpb // G  # pages, key groups a page
+        n1 = _pow2_divisor(gpp, n1)
+        kernel = pages.table_first(
+            functools.partial(kernel, groups_per_iter=n1), per_page=gpp, pages=Pp
+        )
+        pool = lambda b, h, p: (0, h // n_rep, 0, 0, 0, 0)
+        key_specs = [pl.BlockSpec((Pp, None, gpp, nS, ws, 4), pool)] * 2 + [
+            pl.BlockSpec((Pp, None, gpp, GB, nS, ws), pool)
+        ]
+        keys = (
+            k_scale.reshape(Pp, H, gpp, nS, ws, 4),
+            k_zero.reshape(Pp, H, gpp, nS, ws, 4),
+            _words(k_codes).reshape(Pp, H, gpp, GB, nS, ws),
+        )
+        table_specs, tables = [pages.table_spec(table)], (table,)
+    name = "kivi_scores" if table is None else "kivi_scores_paged"
     scores, block_max = pl.pallas_call(
-        functools.partial(
-            _score_kernel,
-            n_groups=C // G,
-            q_scale=q_scale,
-            bits=bits,
-            group_size=G,
-            residual_length=residual_length,
-            groups_per_iter=n1,
-            prefetch=tuning.prefetch if stages == 1 else 0,  # 0: a plain loop
-            interpret=interpret,
-        ),
+        kernel,
         grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
         in_specs=[
+            *table_specs,
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
             pl.BlockSpec((None, None, nS, ws, 4), lambda b, h, p: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
-            pl.BlockSpec((None, None, NG, nS, ws, 4), kv),
-            pl.BlockSpec((None, None, NG, GB, nS, ws), kv),
+            *key_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, NG, GB, *twos), lambda b, h, p: (b, h, p, 0, *zeros)),
@@ -743,14 +790,8 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_siz
         ],
         compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
-        name="kivi_scores" if stages == 1 else triton_stages.staged_name("kivi_scores", stages),
-    )(
-        lengths,
-        q.reshape(B, Hq, nS, ws, 4),
-        k_scale.reshape(B, H, C // G, nS, ws, 4),
-        k_zero.reshape(B, H, C // G, nS, ws, 4),
-        _words(k_codes).reshape(B, H, C // G, GB, nS, ws),
-    )
+        name=name if stages == 1 else triton_stages.staged_name(name, stages),
+    )(*tables, lengths, q.reshape(B, Hq, nS, ws, 4), *keys)
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, M)
 
 
@@ -770,7 +811,7 @@ def _splits(tuning: GpuTuning, *, n_steps: int, rows: int) -> tuple[int, int]:
 
 
 def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual,
-                    lengths, *, q_scale, bits, group_size, residual_length, tuning,
+                    lengths, table=None, *, q_scale, bits, group_size, residual_length, tuning,
                     interpret):  # fmt: skip
     """The value kernel: S token splits per row, each a partial softmax over its quantized
     values and its share of the residual tail against its own max (`_value_kernel`).
@@ -782,7 +823,9 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     share [B, H, n_rep, S, D], and the sum of 2**(s_t - m) over both [B, H, n_rep, S]. One
     query head per program (the n_rep heads of a KV head read its value words in turn,
     through L2), except with GQA where `tuning.gqa_values` picks the tensor-core kernel and
-    it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split)."""
+    it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split).
+    table: None, the values [B, H, C, .]; or int32 [B, Mp], the values a pool of pages
+    [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps, each tile within one page (`pages`)."""
     tuning = kernel_tuning(tuning)
     B, H, slots, C = scores.shape
     n_rep = q.shape[2]
@@ -791,21 +834,22 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     G, vpb, Hq = group_size, 8 // bits, H * n_rep
     n_ch, wpg = D // G, G // vpb // 4  # channel groups, words per group and token
     max_chunk = _pow2_divisor(P, 1024)
+    tile_capacity = C if table is None else v_codes.shape[2]  # the tiles divide a page
     tensor_cores = n_rep > 1 and tuning.gqa_values == "tensor_cores"
     if tensor_cores and not gqa_values.supported_reason(
         n_rep=n_rep, group_size=G, head_dim=D, v_bits=bits
     ):
-        blocks = gqa_value_tiles(tuning, capacity=C)
+        blocks = gqa_value_tiles(tuning, capacity=tile_capacity)
         step = gqa_values.BLOCK * blocks
         S, steps_per_split = _splits(tuning, n_steps=C // step, rows=B * H)
         return gqa_values.gqa_weighted_values(
             q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
-            q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
+            table, q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
             tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
             tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
             prefetch=tuning.prefetch, interpret=interpret,
         )  # fmt: skip
-    quads, chain = value_tiles(tuning, capacity=C, v_bits=bits)
+    quads, chain = value_tiles(tuning, capacity=tile_capacity, v_bits=bits)
     step = 4 * quads * chain
     S, steps_per_split = _splits(tuning, n_steps=C // step, rows=B * Hq)
     kv = lambda b, h, s: (b, h // n_rep, 0, 0, 0)
@@ -813,31 +857,58 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     slot = lambda b, h, s: (b, h // n_rep * slots + h % n_rep)  # query head h's score slot
     per_split = lambda b, h, s: (b, h, s)
     residuals = pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h // n_rep, 0, 0))
-    m, o, o_tail, l_sum = pl.pallas_call(
-        functools.partial(
-            _value_kernel,
-            splits=S,
-            tail_slots=_pow2_divisor(R, tuning.tail_slots),
-            q_scale=q_scale,
-            bits=bits,
-            max_chunk=max_chunk,
-            residual_length=R,
-            quads=quads,
-            chain=chain,
-            parts=tuning.value_parts,
-            tokens_per_split=steps_per_split * step,
-            interleave=tuning.value_interleave,
-            prefetch=tuning.prefetch,
-            interpret=interpret,
-        ),
-        grid=(B, Hq, S),
-        in_specs=[
-            pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, P), lambda b, h, s: (*slot(b, h, s), 0)),
-            pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (*slot(b, h, s), 0, 0)),
+    kernel = functools.partial(
+        _value_kernel,
+        splits=S,
+        tail_slots=_pow2_divisor(R, tuning.tail_slots),
+        q_scale=q_scale,
+        bits=bits,
+        max_chunk=max_chunk,
+        residual_length=R,
+        quads=quads,
+        chain=chain,
+        parts=tuning.value_parts,
+        tokens_per_split=steps_per_split * step,
+        interleave=tuning.value_interleave,
+        prefetch=tuning.prefetch,
+        interpret=interpret,
+    )
+    if table is None:
+        value_specs = [
             pl.BlockSpec((None, None, C // 4, 4, n_ch, wpg), lambda b, h, s: (*kv(b, h, s), 0)),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
             pl.BlockSpec((None, None, C // 4, 4, n_ch), kv),
+        ]
+        values = (
+            _words(v_codes).reshape(B, H, C // 4, 4, n_ch, wpg),
+            v_scale.reshape(B, H, C // 4, 4, n_ch),
+            v_zero.reshape(B, H, C // 4, 4, n_ch),
+        )
+        table_specs, tables = [], ()
+    else:  # the KV head's whole pool, a tile of step tokens (dividing a page) placed by the table
+        Pp, qpp = v_codes.shape[0], v_codes.shape[2] // 4  # pages, quads a page
+        kernel = pages.table_first(kernel, per_page=qpp, pages=Pp)
+        pool = lambda b, h, s: (0, h // n_rep, 0, 0, 0)
+        value_specs = [
+            pl.BlockSpec((Pp, None, qpp, 4, n_ch, wpg), lambda b, h, s: (*pool(b, h, s), 0)),
+            pl.BlockSpec((Pp, None, qpp, 4, n_ch), pool),
+            pl.BlockSpec((Pp, None, qpp, 4, n_ch), pool),
+        ]
+        values = (
+            _words(v_codes).reshape(Pp, H, qpp, 4, n_ch, wpg),
+            v_scale.reshape(Pp, H, qpp, 4, n_ch),
+            v_zero.reshape(Pp, H, qpp, 4, n_ch),
+        )
+        table_specs, tables = [pages.table_spec(table)], (table,)
+    m, o, o_tail, l_sum = pl.pallas_call(
+        kernel,
+        grid=(B, Hq, S),
+        in_specs=[
+            *table_specs,
+            pl.BlockSpec((None,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, P), lambda b, h, s: (*slot(b, h, s), 0)),
+            pl.BlockSpec((None, None, C // 4, 4), lambda b, h, s: (*slot(b, h, s), 0, 0)),
+            *value_specs,
             pl.BlockSpec((None, None, D), row),
             residuals,
             residuals,
@@ -859,14 +930,13 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         ],
         compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
-        name="kivi_values",
+        name="kivi_values" if table is None else "kivi_values_paged",
     )(
+        *tables,
         lengths,
         block_max.reshape(B, H * slots, P),
         scores.reshape(B, H * slots, C // 4, 4),
-        _words(v_codes).reshape(B, H, C // 4, 4, n_ch, wpg),
-        v_scale.reshape(B, H, C // 4, 4, n_ch),
-        v_zero.reshape(B, H, C // 4, 4, n_ch),
+        *values,
         q.reshape(B, Hq, D),
         k_residual,
         v_residual,
@@ -880,14 +950,14 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     )
 
 
-def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size,
-                        residual_length, tuning, interpret):  # fmt: skip
+def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits,
+                        group_size, residual_length, tuning, interpret):  # fmt: skip
     """The score kernel the tuning picks for q [B, H, n_rep, D]: with GQA the tensor-core one
     where `tuning.gqa_scores` asks for it and it applies (`gqa_scores.gqa_key_scores`), else
-    `key_scores`; -> (logits, maxima) as each returns them."""
+    `key_scores`; -> (logits, maxima) as each returns them (`table`: as `key_scores`)."""
     tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
-    C = k_scale.shape[2] * group_size
+    C = k_scale.shape[2] * group_size * (1 if table is None else table.shape[1])
     common = dict(q_scale=q_scale, bits=bits, group_size=group_size,
                   residual_length=residual_length, interpret=interpret)  # fmt: skip
     tensor_cores = n_rep > 1 and tuning.gqa_scores == "tensor_cores"
@@ -895,11 +965,11 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, 
         n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits
     ):
         return gqa_scores.gqa_key_scores(
-            q, k_codes, k_scale, k_zero, lengths,
+            q, k_codes, k_scale, k_zero, lengths, table,
             program_groups=tuning.gqa_groups(n_groups=C // group_size, rows=B * H),
             prefetch=tuning.prefetch, **common,
         )  # fmt: skip
-    return key_scores(q, k_codes, k_scale, k_zero, lengths, tuning=tuning, **common)
+    return key_scores(q, k_codes, k_scale, k_zero, lengths, table, tuning=tuning, **common)
 
 
 @functools.partial(
@@ -927,6 +997,7 @@ def kivi_decode_attention_gpu(
     v_residual,  # [B, H, R, D]
     lengths,  # int32 [B]
     side=None,  # the MixedState of a mixed-precision state (kivi_jax.cache), else None
+    table=None,  # None, or int32 [B, Mp]: the arrays above with a token axis are pools of pages
     *,
     k_bits: int,
     v_bits: int,
@@ -939,10 +1010,22 @@ def kivi_decode_attention_gpu(
 ):
     """Decode attention over a KIVI state with the GPU kernels -> [B, Hq, D]. A mixed state
     (`side`, `sliding_keys`) runs the same kernels, its logits edited between them and its
-    full-precision entries merged as one more split (`mixed`)."""
+    full-precision entries merged as one more split (`mixed`). With a page table the codes,
+    scales and zero points are pools of pages ([Pp, H, ps / kpb, D], [Pp, H, ps / G, D],
+    [Pp, H, ps, .]; kivi_jax.paged, C = Mp * ps), read through the table in the kernels, each
+    tile from one page (plain KIVI only: a mixed state's edits read the contiguous state)."""
     B, Hq, D = q.shape
     _, H, C, _ = v_codes.shape
     G, R = group_size, residual_length
+    if table is not None:
+        if side is not None:
+            raise NotImplementedError(
+                "the GPU kernels read a mixed state (kivi2-mix) from the contiguous view, not "
+                "through a page table"
+            )
+        if C % G:
+            raise ValueError(f"page_size={C} must be a multiple of G={G}")
+        C *= table.shape[1]
     reason = supported_config_reason(
         k_bits=k_bits, v_bits=v_bits, group_size=G, head_dim=D, dtype=q.dtype
     )
@@ -957,8 +1040,8 @@ def kivi_decode_attention_gpu(
     q = q.reshape(B, H, n_rep, D)
     common = dict(group_size=G, interpret=interpret)
     scores, block_max = dispatch_key_scores(
-        q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale, bits=k_bits, residual_length=R,
-        tuning=tuning, **common,
+        q, k_codes, k_scale, k_zero, lengths, table, q_scale=q_scale, bits=k_bits,
+        residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
     extras = None
     if side is not None:
@@ -970,7 +1053,7 @@ def kivi_decode_attention_gpu(
             group_size=G, **window,
         )  # fmt: skip
     m, o, o_tail, l_sum = weighted_values(
-        q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
+        q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, table,
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
     if extras is not None:  # one more split: the full-precision entries (no tail)
@@ -1014,4 +1097,34 @@ def decode_attention_pallas(
     side, window = state.mixed_args(cache)
     return kivi_decode_attention_gpu(
         q, *arrays, *side, **config, **window, tuning=tuning, interpret=interpret
+    )
+
+
+def unsupported_paged_reason(q: jax.Array, paged) -> str | None:
+    """None if `decode_attention_pallas_paged(q, paged)` runs, else what it does not support."""
+    return state.unsupported_reason(
+        paged.rows, head_dim=q.shape[-1], dtype=q.dtype, supported=supported_config_reason,
+        reads_mixed=False,
+    )  # fmt: skip
+
+
+def decode_attention_pallas_paged(
+    q: jax.Array, paged, *, interpret: bool = False, tuning: GpuTuning = GpuTuning()
+) -> jax.Array:
+    """The kernels over one layer's kivi_jax.paged.PagedCache, the table read in the kernels
+    (each tile's page id loaded from it; no contiguous view): q [B, Hq, D] -> [B, Hq, D] in q's
+    dtype. Plain KIVI (a mixed state: the contiguous kernels on the view, `paged.
+    decode_attention`). Tiles never cross a page: each kernel's settled tile, halved until it
+    divides page_size (any multiple of G; from 128 tokens on every tile is the contiguous
+    kernels': values 128 tokens at 2 bits and 64 at 4, keys 64 and 32, the tensor-core
+    kernels one key group and 32 tokens)."""
+    from kivi_jax.paged import merge
+
+    reason = unsupported_paged_reason(q, paged)
+    if reason is not None:
+        raise NotImplementedError(f"impl='pallas' through the page table: {reason}")
+    # the rows' rings and lengths and the pool's codes, scales and zeros in one Cache's fields
+    arrays, config = state.kernel_args(merge(paged.rows, paged.pages))
+    return kivi_decode_attention_gpu(
+        q, *arrays, None, paged.table, **config, tuning=tuning, interpret=interpret
     )

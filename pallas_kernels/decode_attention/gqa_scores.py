@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import loops
+from kivi_jax.pallas_kernels.decode_attention import loops, pages
 from kivi_jax.pallas_kernels.decode_attention.ptx import (
     and_or,
     f16_halves,
@@ -129,6 +129,7 @@ def _kernel(
     q_scale: float,
     param_dtype,
     interpret: bool,
+    table: pages.RowPages | None = None,
 ):
     slots = s_ref.shape[0]
     D = q_ref.shape[1]
@@ -167,7 +168,7 @@ def _kernel(
     qk_groups = (length - length % residual_length) // G
     g0 = pl.program_id(2) * program_groups
     n_groups = jnp.clip(qk_groups - g0, 0, program_groups)
-    last_group = ks_ref.shape[0] - 1
+    last_group = s_ref.shape[1] // G - 1
     # row blocks of 16 tokens: (which of the lane's token bytes, field of row g; row g + 8
     # has the next field); at 2 bits both blocks read the same token byte's words
     token_bytes = [g] if bits == 2 else [g, 8 + g]  # of row g, within the group
@@ -177,8 +178,12 @@ def _kernel(
         """Group g0 + i's scale and zero-point pairs and key words of this lane (a group past
         the capacity clamped into it: loaded, not used)."""
         gi = jnp.minimum(g0 + i, last_group)
-        words = [kw_ref[gi * GB + tb, 4 * c + t] for tb in token_bytes for c in range(D // 16)]
-        return [ks_ref[gi, w] for w in param_loads], [kz_ref[gi, w] for w in param_loads], words
+        at, lg = ((), gi) if table is None else _in_page(table, gi)
+        words = [
+            kw_ref[(*at, lg * GB + tb, 4 * c + t)] for tb in token_bytes for c in range(D // 16)
+        ]
+        params = [[r[(*at, lg, w)] for w in param_loads] for r in (ks_ref, kz_ref)]
+        return *params, words
 
     def compute(i, tile, maxima):
         gi = g0 + i
@@ -234,9 +239,15 @@ def _kernel(
         plgpu.store(m_ref.at[out_slot[e], pad], init, mask=keep)
 
 
+def _in_page(table: pages.RowPages, unit):
+    """((page,), unit within it): `RowPages.locate` as an index prefix."""
+    page, at = table.locate(unit)
+    return (page,), at
+
+
 def gqa_key_scores(
-    q, k_codes, k_scale, k_zero, lengths, *, q_scale, bits, group_size, residual_length,
-    program_groups, prefetch, interpret,
+    q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits, group_size,
+    residual_length, program_groups, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
     [B, H, C / kpb, D], k_scale / k_zero [B, H, C / G, D] -> logits [B, H, slots, C] (head
@@ -244,39 +255,60 @@ def gqa_key_scores(
     [B, H, slots, M] (8 per program, P programs of `program_groups` key groups per row,
     their loads issued `prefetch` groups ahead; -1e30 where a lane held no logit; M = 8 P
     rounded up to a power of two, the columns past 8 P -1e30, so that a value program reads
-    them in one load where M <= 1024)."""
+    them in one load where M <= 1024). table: None; or int32 [B, Mp], the keys a pool of pages
+    (kivi_jax.paged: k_codes [Pp, H, ps / kpb, D], k_scale / k_zero [Pp, H, ps / G, D]),
+    C = Mp * ps, each group read from its page (`pages`)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
         raise NotImplementedError(reason)
     kpb = 8 // bits
-    C = k_codes.shape[2] * kpb
     G = group_size
+    C = k_codes.shape[2] * kpb if table is None else table.shape[1] * k_codes.shape[2] * kpb
     P = pl.cdiv(C // G, program_groups)
     M = 1 << (8 * P - 1).bit_length()
     slots = head_slots(n_rep)
-    words = lax.bitcast_convert_type(k_codes.reshape(B, H, C // kpb, D // 4, 4), jnp.int32)
-    pairs = lambda x: lax.bitcast_convert_type(x.reshape(B, H, C // G, D // 2, 2), jnp.int32)
+    lead = (B, H) if table is None else (k_codes.shape[0], H)  # rows, or pages
+    n = k_codes.shape[2] * kpb  # tokens a row or a page holds
+    words = lax.bitcast_convert_type(k_codes.reshape(*lead, n // kpb, D // 4, 4), jnp.int32)
+    pairs = lambda x: lax.bitcast_convert_type(x.reshape(*lead, n // G, D // 2, 2), jnp.int32)
     whole = lambda b, h, p: (b, h, 0, 0)
-    return pl.pallas_call(
-        functools.partial(
-            _kernel,
-            n_rep=n_rep,
-            bits=bits,
-            residual_length=residual_length,
-            program_groups=program_groups,
-            prefetch=prefetch,
-            q_scale=q_scale,
-            param_dtype=k_scale.dtype,
-            interpret=interpret,
-        ),
-        grid=(B, H, P),
-        in_specs=[
-            pl.BlockSpec((None,), lambda b, h, p: (b,)),
-            pl.BlockSpec((None, None, n_rep, D), whole),
+    kernel = functools.partial(
+        _kernel,
+        n_rep=n_rep,
+        bits=bits,
+        residual_length=residual_length,
+        program_groups=program_groups,
+        prefetch=prefetch,
+        q_scale=q_scale,
+        param_dtype=k_scale.dtype,
+        interpret=interpret,
+    )
+    if table is None:
+        key_specs = [
             pl.BlockSpec((None, None, C // G, D // 2), whole),
             pl.BlockSpec((None, None, C // G, D // 2), whole),
             pl.BlockSpec((None, None, C // kpb, D // 4), whole),
+        ]
+        table_specs, tables = [], ()
+    else:  # the KV head's whole pool; each group's page from the table
+        Pp, gpp = lead[0], n // G
+        kernel = pages.table_first(kernel, per_page=gpp, pages=Pp)
+        pool = lambda b, h, p: (0, h, 0, 0)
+        key_specs = [
+            pl.BlockSpec((Pp, None, gpp, D // 2), pool),
+            pl.BlockSpec((Pp, None, gpp, D // 2), pool),
+            pl.BlockSpec((Pp, None, n // kpb, D // 4), pool),
+        ]
+        table_specs, tables = [pages.table_spec(table)], (table,)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, P),
+        in_specs=[
+            *table_specs,
+            pl.BlockSpec((None,), lambda b, h, p: (b,)),
+            pl.BlockSpec((None, None, n_rep, D), whole),
+            *key_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, slots, C), whole),
@@ -288,5 +320,5 @@ def gqa_key_scores(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
-        name="kivi_scores_mma",
-    )(lengths, q, pairs(k_scale), pairs(k_zero), words)
+        name="kivi_scores_mma" if table is None else "kivi_scores_mma_paged",
+    )(*tables, lengths, q, pairs(k_scale), pairs(k_zero), words)

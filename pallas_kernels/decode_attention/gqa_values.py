@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import loops, residual
+from kivi_jax.pallas_kernels.decode_attention import loops, pages, residual
 from kivi_jax.pallas_kernels.decode_attention.gqa_scores import (
     _MAGIC,
     MAX_HEADS,
@@ -116,6 +116,7 @@ def _kernel(
     param_dtype,
     prefetch: int,
     interpret: bool,
+    table: pages.RowPages | None = None,
 ):
     n_rep, D = q_ref.shape
     C = s_ref.shape[1]
@@ -163,7 +164,7 @@ def _kernel(
     # of group g, from lane (words[g] % 8, t)'s load r = code_load[g]. Scales and zero
     # points: lane (i', t) loads item i' (mod 4 NP) of each, word w of token a at item
     # a NP + w.
-    W, NP = vw_ref.shape[1], n_groups // 2
+    W, NP = vw_ref.shape[-1], n_groups // 2
     code_loads = -(-W // 8)
     code_src = [4 * (w % 8) + t for w in words]
     code_load = [(g * group_bytes // 4) // 8 for g in range(n_groups)]  # the same for every i
@@ -175,11 +176,16 @@ def _kernel(
         n_tiles: not used) is clamped into it as a whole."""
         out = []
         start = jnp.minimum(tile_start(k), C - step)  # step divides C
+        if table is None:
+            at = lambda x: (x,)
+        else:  # the tile's page (step divides page_size)
+            page, first = table.locate(start)
+            at = lambda x: (page, x - start + first)
         for n in range(blocks):
             toks = tokens(k, n, start)
-            codes = [[vw_ref[x, (i + 8 * r) % W] for x in toks] for r in range(code_loads)]
+            codes = [[vw_ref[(*at(x), (i + 8 * r) % W)] for x in toks] for r in range(code_loads)]
             tok = token(start, n, param_a)
-            params = (vs_ref[tok, param_w], vz_ref[tok, param_w])
+            params = (vs_ref[(*at(tok), param_w)], vz_ref[(*at(tok), param_w)])
             out.append((codes, params, [s_ref[head, x] for x in toks]))
         return tuple(out)
 
@@ -270,9 +276,9 @@ def _kernel(
 
 
 def gqa_weighted_values(
-    q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, *,
-    q_scale, bits, group_size, splits, blocks, tokens_per_split, interleave, tail_slots,
-    max_chunk, prefetch, interpret,
+    q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
+    table=None, *, q_scale, bits, group_size, splits, blocks, tokens_per_split, interleave,
+    tail_slots, max_chunk, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, Pm] (either
     score kernel's; slot h < n_rep read), v_codes uint8 [B, H, C, D / vpb], v_scale / v_zero
@@ -281,7 +287,9 @@ def gqa_weighted_values(
     share [B, H, n_rep, S, D], and the weights' sum [B, H, n_rep, S]. S = `splits` programs
     per (sequence, KV head), `blocks` blocks of 16 tokens per iteration, tokens_per_split (a
     multiple of 16 blocks) tokens each, their loads `prefetch` iterations ahead; the tail in
-    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time."""
+    chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time. table: None; or
+    int32 [B, Mp], the values a pool of pages [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps,
+    16 * blocks dividing ps: each tile read from its page (`pages`)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, v_bits=bits)
     if reason is not None:
@@ -289,32 +297,53 @@ def gqa_weighted_values(
     slots, C = scores.shape[2:]
     Pm, R = block_max.shape[3], k_residual.shape[2]
     G, vpb = group_size, 8 // bits
-    words = lax.bitcast_convert_type(v_codes.reshape(B, H, C, D // vpb // 4, 4), jnp.int32)
-    pairs = lambda x: lax.bitcast_convert_type(x.reshape(B, H, C, D // G // 2, 2), jnp.int32)
+    lead = (B, H) if table is None else (v_codes.shape[0], H)  # rows, or pages
+    n = v_codes.shape[2]  # tokens a row or a page holds
+    words = lax.bitcast_convert_type(v_codes.reshape(*lead, n, D // vpb // 4, 4), jnp.int32)
+    pairs = lambda x: lax.bitcast_convert_type(x.reshape(*lead, n, D // G // 2, 2), jnp.int32)
     whole = lambda b, h, s: (b, h, 0, 0)
-    return pl.pallas_call(
-        functools.partial(
-            _kernel,
-            bits=bits,
-            splits=splits,
-            blocks=blocks,
-            tokens_per_split=tokens_per_split,
-            interleave=interleave,
-            tail_slots=tail_slots,
-            max_chunk=max_chunk,
-            q_scale=q_scale,
-            param_dtype=v_scale.dtype,
-            prefetch=prefetch,
-            interpret=interpret,
-        ),
-        grid=(B, H, splits),
-        in_specs=[
-            pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, slots, Pm), whole),
-            pl.BlockSpec((None, None, slots, C), whole),
+    kernel = functools.partial(
+        _kernel,
+        bits=bits,
+        splits=splits,
+        blocks=blocks,
+        tokens_per_split=tokens_per_split,
+        interleave=interleave,
+        tail_slots=tail_slots,
+        max_chunk=max_chunk,
+        q_scale=q_scale,
+        param_dtype=v_scale.dtype,
+        prefetch=prefetch,
+        interpret=interpret,
+    )
+    if table is None:
+        value_specs = [
             pl.BlockSpec((None, None, C, D // vpb // 4), whole),
             pl.BlockSpec((None, None, C, D // G // 2), whole),
             pl.BlockSpec((None, None, C, D // G // 2), whole),
+        ]
+        table_specs, tables = [], ()
+    else:  # the KV head's whole pool; each tile's page from the table
+        if n % (BLOCK * blocks):
+            raise ValueError(f"page_size={n}: tiles of {BLOCK * blocks} tokens must divide it")
+        Pp = lead[0]
+        kernel = pages.table_first(kernel, per_page=n, pages=Pp)
+        pool = lambda b, h, s: (0, h, 0, 0)
+        value_specs = [
+            pl.BlockSpec((Pp, None, n, D // vpb // 4), pool),
+            pl.BlockSpec((Pp, None, n, D // G // 2), pool),
+            pl.BlockSpec((Pp, None, n, D // G // 2), pool),
+        ]
+        table_specs, tables = [pages.table_spec(table)], (table,)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, splits),
+        in_specs=[
+            *table_specs,
+            pl.BlockSpec((None,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, slots, Pm), whole),
+            pl.BlockSpec((None, None, slots, C), whole),
+            *value_specs,
             pl.BlockSpec((None, None, n_rep, D), whole),
             pl.BlockSpec((None, None, R, D), whole),
             pl.BlockSpec((None, None, R, D), whole),
@@ -333,5 +362,8 @@ def gqa_weighted_values(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
-        name="kivi_values_mma",
-    )(lengths, block_max, scores, words, pairs(v_scale), pairs(v_zero), q, k_residual, v_residual)
+        name="kivi_values_mma" if table is None else "kivi_values_mma_paged",
+    )(
+        *tables, lengths, block_max, scores, words, pairs(v_scale), pairs(v_zero), q,
+        k_residual, v_residual,
+    )  # fmt: skip

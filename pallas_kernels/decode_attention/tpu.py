@@ -9,7 +9,9 @@ is read from HBM once for the whole query group) and walks the capacity in block
 ``TpuTuning.block_tokens`` tokens, which Pallas copies into VMEM (double-buffered) and the
 kernel computes in chunks of ``chunk_tokens``. The lengths come in by scalar prefetch; the block
 index maps clamp each block index to the last block a sequence needs, so the blocks past its
-length are never copied again (Pallas skips a copy whose block index has not changed).
+length are never copied again (Pallas skips a copy whose block index has not changed). Over a
+page pool (kivi_jax.paged) the table is a second scalar-prefetch operand and the index maps
+turn a row's block index into (its page, the block within the page): the same kernel body.
 
 Token regions of a sequence of length ``l`` (``kivi_jax.cache``): keys of ``[0, Qk)``,
 ``Qk = l - l % R``, and values of ``[0, Pv)``, ``Pv = max(l - R, 0)``, are quantized; the rest
@@ -356,6 +358,7 @@ def kivi_decode_attention_tpu(
     k_residual,  # [B, H, R, D]
     v_residual,  # [B, H, R, D]
     lengths,  # int32 [B]
+    table=None,  # None, or int32 [B, M]: the arrays above with a token axis are pools of pages
     *,
     k_bits: int,
     v_bits: int,
@@ -366,12 +369,20 @@ def kivi_decode_attention_tpu(
 ):
     """Decode attention over a KIVI state with the TPU kernel -> [B, Hq, D] in q's dtype.
 
+    table: None, or the page table of a kivi_jax.paged pool (k_codes [P, H, ps / kpb, D],
+    v_codes [P, H, ps, D / vpb], ..., C = M * ps): a scalar-prefetch operand beside the
+    lengths, as in jax's `ops/tpu/paged_attention`; a grid step's block is a block of one page
+    (the block must divide page_size), its page id read from the table by the block index
+    maps, so the kernel itself is unchanged.
     interpret: run in Pallas TPU interpret mode (on the CPU; uninitialized memory is NaN, so a
     read that is not masked shows up in the result).
     """
     B, Hq, D = q.shape
     _, H, C, width = v_codes.shape  # width = D // vpb
     G, R = group_size, residual_length
+    page_size = C
+    if table is not None:
+        C *= table.shape[1]
     reason = supported_config_reason(
         k_bits=k_bits, v_bits=v_bits, group_size=G, head_dim=D, dtype=k_residual.dtype
     )
@@ -383,6 +394,13 @@ def kivi_decode_attention_tpu(
         raise ValueError(f"residual_length={R} and capacity={C} must be multiples of G={G}")
     n_rep, kpb = Hq // H, 8 // k_bits
     block, chunk = tiles(tuning, capacity=C, k_bits=k_bits, group_size=G, residual_length=R)
+    if table is not None:
+        block = min(block, page_size)
+        if page_size % block or block % chunk:
+            raise NotImplementedError(
+                f"page_size={page_size}: the TPU kernel reads blocks of whole chunks of "
+                f"{chunk} tokens (TpuTuning, `tiles`) within one page: a multiple of {chunk}"
+            )
     qs = (q.astype(jnp.float32) / math.sqrt(D)).reshape(B, H, n_rep, D)
 
     def key_block(b, h, i, lengths_ref):
@@ -393,12 +411,27 @@ def kivi_decode_attention_tpu(
         _, pv = _regions(lengths_ref[b], R)
         return jnp.minimum(i, _last_block(pv, block))
 
-    per_head = lambda b, h, i, lengths_ref: (b, h, 0, 0)
+    if table is None:
+        scalars, blocks_of = (lengths,), lambda b, h, n, refs: (b, h, n, 0)
+        kernel_of = lambda kernel: kernel
+    else:  # block n of row b: block n % per_page of its page table[b, n // per_page]
+        per_page, pages = page_size // block, k_codes.shape[0]
+
+        def blocks_of(b, h, n, refs):
+            page = jnp.minimum(refs[1][b, _div(n, per_page)], pages - 1)  # NO_PAGE: unused
+            return page, h, _rem(n, per_page), 0
+
+        scalars = (lengths, table)
+        kernel_of = lambda kernel: lambda lengths_ref, table_ref, *refs: kernel(lengths_ref, *refs)
+
+    per_head = lambda b, h, i, *refs: (b, h, 0, 0)
     keys = lambda rows: pl.BlockSpec(
-        (None, None, rows, D), lambda b, h, i, lr: (b, h, key_block(b, h, i, lr), 0)
+        (None, None, rows, D),
+        lambda b, h, i, *refs: blocks_of(b, h, key_block(b, h, i, refs[0]), refs),
     )
     values = lambda lanes: pl.BlockSpec(
-        (None, None, block, lanes), lambda b, h, i, lr: (b, h, value_block(b, h, i, lr), 0)
+        (None, None, block, lanes),
+        lambda b, h, i, *refs: blocks_of(b, h, value_block(b, h, i, refs[0]), refs),
     )
     residual = pl.BlockSpec((None, None, R, D), per_head)
     kernel = functools.partial(
@@ -406,9 +439,9 @@ def kivi_decode_attention_tpu(
         chunk=chunk, mxu=mxu_dtype(k_residual.dtype),
     )  # fmt: skip
     out = pl.pallas_call(
-        kernel,
+        kernel_of(kernel),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(scalars),
             grid=(B, H, pl.cdiv(C, block)),
             in_specs=[
                 pl.BlockSpec((None, None, n_rep, D), per_head),
@@ -435,8 +468,8 @@ def kivi_decode_attention_tpu(
             dimension_semantics=("parallel", "parallel", "arbitrary")
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="kivi_decode_tpu",
-    )(lengths, qs, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
+        name="kivi_decode_tpu" if table is None else "kivi_decode_tpu_paged",
+    )(*scalars, qs, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
     return out.reshape(B, Hq, D)
 
 
@@ -457,3 +490,37 @@ def decode_attention_pallas_tpu(
         raise NotImplementedError(f"impl='pallas_tpu': {reason}")
     arrays, config = state.kernel_args(cache)
     return kivi_decode_attention_tpu(q, *arrays, **config, tuning=tuning, interpret=interpret)
+
+
+def unsupported_paged_reason(q: jax.Array, paged, tuning: TpuTuning = TpuTuning()) -> str | None:
+    """None if `decode_attention_pallas_tpu_paged(q, paged)` runs, else what it does not
+    support."""
+    reason = unsupported_reason(q, paged.rows)
+    if reason is not None:
+        return reason
+    cfg = paged.rows.config
+    _, chunk = tiles(tuning, capacity=paged.page_size, k_bits=cfg.k_bits,
+                     group_size=cfg.group_size, residual_length=cfg.residual_length)  # fmt: skip
+    if paged.page_size % chunk:
+        return (
+            f"page_size={paged.page_size}: the TPU kernel reads chunks of {chunk} tokens "
+            "within one page: a multiple of it"
+        )
+    return None
+
+
+def decode_attention_pallas_tpu_paged(
+    q: jax.Array, paged, *, interpret: bool = False, tuning: TpuTuning = TpuTuning()
+) -> jax.Array:
+    """The TPU kernel over one layer's kivi_jax.paged.PagedCache, the table a scalar-prefetch
+    operand (`kivi_decode_attention_tpu`): q [B, Hq, D] -> [B, Hq, D] in q's dtype. Plain
+    KIVI; page_size a multiple of the kernel's chunk (512 tokens at G = 32, R <= 512)."""
+    from kivi_jax.paged import merge
+
+    reason = unsupported_paged_reason(q, paged, tuning)
+    if reason is not None:
+        raise NotImplementedError(f"impl='pallas_tpu' through the page table: {reason}")
+    arrays, config = state.kernel_args(merge(paged.rows, paged.pages))
+    return kivi_decode_attention_tpu(
+        q, *arrays, paged.table, **config, tuning=tuning, interpret=interpret
+    )
