@@ -806,6 +806,8 @@ def main(argv=None) -> None:
     if args.smoke:
         shapes = [Shape(model="smoke", q_heads=4, kv_heads=2, head_dim=64, batch=2, context=512)]
         args.calls, args.repeats, args.peak_gib = 2, 2, 1 / 16
+    if args.page_size % GROUP or any(s.context % args.page_size for s in shapes):
+        p.error(f"--page-size {args.page_size}: a multiple of G={GROUP} dividing every context")
     args.out.mkdir(parents=True, exist_ok=True)
 
     dev = jax.devices()[0]

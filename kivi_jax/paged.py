@@ -20,11 +20,12 @@ without a change here. One page id indexes every such array of a layer (codes, s
 a mixed state's fine channels) and the same page id in every layer.
 
 `view` is the contiguous Cache the pages represent (the table gathered: capacity M * ps, a
-missing page reading as zeros), read by `cache.dequantize`, the reference attention and the
-fused kernels alike; `append` is kivi_jax.cache.append on that view, its writes put back
-through the table. A page must be in the table before a write lands in it: an append whose
-quantized tokens reach a token without its page sets the row's overflow flag (the write is
-dropped), as a write past max_len does.
+missing page reading as zeros). `decode_attention` reads through the table (the reference page
+by page, the GPU kernels and the TPU kernel with the table as an operand) and `append` writes
+the two pages a step can reach; a mixed state (sinks and heavy tokens are sequence positions)
+and what the kernels do not take read the view. A page must be in the table before a write
+lands in it: an append whose quantized tokens reach a token without its page sets the row's
+overflow flag (the write is dropped), as a write past max_len does.
 """
 
 from __future__ import annotations

@@ -166,11 +166,12 @@ def test_the_tpu_kernel_reads_the_table_as_a_scalar_prefetch_operand_interpret(r
     tpu_tests._check(q, paged.view(state), attend=lambda q, _: run(q, state))
 
 
-@pytest.mark.parametrize(("n_rep", "D"), [(1, 128), (4, 64)])
-def test_the_paged_tpu_kernel_lowers_for_tpu(n_rep, D):
+@pytest.mark.parametrize(("n_rep", "D", "ps"), [(1, 128, 2048), (4, 64, 2048), (1, 128, 1536)])
+def test_the_paged_tpu_kernel_lowers_for_tpu(n_rep, D, ps):
     # Pallas's TPU lowering (block shapes against the tiling, the index maps reading the
-    # table from SMEM) accepts it: one Mosaic custom call, at 8 rows of 16 pages of 2048
-    B, H, ps, M = 8, 2, 2048, 16
+    # table from SMEM) accepts it: one Mosaic custom call, at 8 rows of 16 pages of 2048 (and
+    # of 1536: three chunks a page, blocks of one chunk)
+    B, H, M = 8, 2, 16
     cfg = kivi_jax.KiviConfig(group_size=32, residual_length=128)
     state = jax.eval_shape(lambda: paged.init_paged(
         cfg, batch=B, pages=B * M, page_size=ps, max_len=M * ps, num_kv_heads=H, head_dim=D,

@@ -366,7 +366,7 @@ class Engine:
         self._saved: dict[int, tuple] = {}
         # across processes, process 0's operations of the step not yet sent (None: run at once)
         self._ops: list[tuple] | None = [] if self._across else None
-        self._codec = plan.Codec((self.slots, self._max_pages))
+        self._codec = plan.Codec((self.slots, self._max_pages)) if self._across else None
         self._ids = itertools.count()
         self._finished: collections.Counter = collections.Counter()
         self._generated = self._prompted = self._decode_calls = 0
@@ -541,8 +541,10 @@ class Engine:
                 pass
         if self._ops is not None and self.failure is None:  # the followers return
             with self._step_lock:
-                plan.send(self._codec.encode([*self._ops, (Op.STOP,)]))
-                self._ops = None
+                ops, self._ops = self._ops, None
+                plan.send(self._codec.encode([*ops, (Op.STOP,)]))
+                for op, *args in ops:  # what the last steps left (resets of ended rows)
+                    self._run(op, *args)
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the background thread ends: after stop(), or after a fault the engine
@@ -1068,6 +1070,8 @@ class Engine:
                 self._insert(h, slot, i)
             except Exception as e:
                 self._request_fault(h, slot, e)
+        if self._ops is None:  # the rows are inserted (across processes: after the plan runs)
+            self._batch = None
         return cost
 
     def _chunk(self) -> None:
@@ -1255,6 +1259,8 @@ class Engine:
             self._occupant = [None] * self.slots
             self._work.notify_all()
         self._long, self._events, self._results = None, collections.deque(), collections.deque()
+        self._batch = self._long_row = self._long_logits = None
+        self._saved.clear()
 
     # ------------------------------------------------------------------------- device operations
 
@@ -1270,6 +1276,7 @@ class Engine:
                 if op == Op.STOP:
                     return
                 self._run(op, *args)
+            self._batch = None  # a plan inserts every row of its prefill batch
 
     def _do(self, op: Op, *args) -> None:
         """The device operation `op` (Engine._op_<name>): run now, or across processes kept
@@ -1289,6 +1296,7 @@ class Engine:
         plan.send(self._codec.encode([*ops, (Op.READ, reads)]))
         for op, *args in ops:
             self._run(op, *args)
+        self._batch = None  # a plan inserts every row of its prefill batch
 
     def _op_reset(self, slot: int) -> None:
         self._state = programs.reset(self.params, self._state, np.int32(slot), kv=self.kv,

@@ -805,7 +805,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not leader:  # no HTTP here: the engine's plans come from process 0
         log.info("process %d follows process 0", jax.process_index())
-        engine.warmup()
+        try:
+            engine.warmup()
+        except ValueError as e:  # the memory plan (its message names what does not fit)
+            sys.stderr.write(f"kivi-serve: error: {e}\n")
+            return 2
         engine.follow()
         return 0
 

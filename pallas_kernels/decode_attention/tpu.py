@@ -395,8 +395,8 @@ def kivi_decode_attention_tpu(
     n_rep, kpb = Hq // H, 8 // k_bits
     block, chunk = tiles(tuning, capacity=C, k_bits=k_bits, group_size=G, residual_length=R)
     if table is not None:
-        block = min(block, page_size)
-        if page_size % block or block % chunk:
+        block = math.gcd(block, page_size)  # a block lies in one page
+        if block % chunk:
             raise NotImplementedError(
                 f"page_size={page_size}: the TPU kernel reads blocks of whole chunks of "
                 f"{chunk} tokens (TpuTuning, `tiles`) within one page: a multiple of {chunk}"

@@ -105,7 +105,7 @@ def _padded_rows(m: int) -> int:
 # int4 nibbles to 16-bit floats by their bits: a nibble n's bits (n ^ 8: its signed value + 8)
 # or'd into the exponent of `base` (128.0 in bfloat16, 1024.0 in float16: one unit per
 # mantissa step) give base + 8 + q, and one fused multiply-add takes base + 8 off.
-_MAGIC = {  # dtype: (base's bits, -(base + 8) as a pair of halves, 1.0 as a pair)
+_MAGIC = {  # dtype: (base's bits, -(base + 8) as a pair of halves, 1.0 as a pair, PTX type)
     jnp.dtype(jnp.bfloat16): (0x4300, 0xC308C308, 0x3F803F80, "bf16x2"),
     jnp.dtype(jnp.float16): (0x6400, 0xE408E408, 0x3C003C00, "f16x2"),
 }
@@ -143,7 +143,7 @@ def _codes(q_ref, rows, packed: bool, dtype, interpret: bool) -> tuple[jax.Array
         return (b.astype(dtype),)
     if not interpret:
         return _nibbles_asm(b, dtype, high=False), _nibbles_asm(b, dtype, high=True)
-    b = b.astype(jnp.int8)  # same bits
+    b = jax.lax.bitcast_convert_type(b, jnp.int8)
     four = jnp.int8(4)
     lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(b, four), four)
     hi = jax.lax.shift_right_arithmetic(b, four)
@@ -170,7 +170,7 @@ def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero:
         rows = pl.ds(k0 + i * step, step)
         xg = x_ref[:, rows]  # [M', step]
         ws = _codes(q_ref, rows, packed, xg.dtype, interpret)  # parts x [step, bn / parts], exact
-        xsum = jnp.sum(xg.astype(f32), axis=1, keepdims=True) if zero else None  # [M', 1]
+        xsum = jnp.sum(xg.astype(f32), axis=1, keepdims=True) if zero and not per_channel else None
         out = []
         for acc, w, c in zip(accs, ws, cols, strict=True):
             part = jnp.dot(xg, w, preferred_element_type=f32)
