@@ -1073,7 +1073,10 @@ def _extend_kivi(
         v_leave = v_win.astype(jnp.float32)
         leaving = (pos < p1[:, None]) & (pos >= cfg.sinks)  # [B, seq]
         if cfg.needs_queries:
-            mass = _window_mass(cfg, q, k_wins[2], parts.get("sink_k"), old, new)  # [B, H, R+S]
+            sink_k = parts.get("sink_k")
+            if int8 and sink_k is not None:
+                sink_k = quantization.int8_token_values(sink_k, parts["sink_k_exp"], dtype)
+            mass = _window_mass(cfg, q, k_wins[2], sink_k, old, new)  # [B, H, R + S]
             slot_old = jnp.take_along_axis(side.ring_score, pos[:, None, :] % r, axis=2)
             from_old = jnp.where((pos < old[:, None])[:, None], slot_old, 0.0)
             e = pos - old[:, None] + r  # band index of the leaving tokens (in [0, R + S))

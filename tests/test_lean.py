@@ -253,3 +253,20 @@ def test_a_format_must_be_a_format():
         kj.KiviConfig(residual_format=Format.E4M3_INT8)
     with pytest.raises(ValueError, match=r"k_scale_format cannot be Format\.INT8"):
         kj.KiviConfig(k_scale_format=Format.INT8)
+
+
+def test_mass_scores_read_int8_sinks_as_their_values(rng):
+    # Heavy tokens by attention mass see the sinks' keys: an INT8 residual's scores are the
+    # bfloat16-residual ones up to the int8 rounding (1/127 of a token's largest member).
+    k, v = random_kv(rng, 1, 30, 2, 8)
+    q = jnp.asarray(rng.normal(size=(1, 30, 4, 8)), jnp.float32)
+    scores = []
+    for fmt in (Format.CACHE, Format.INT8):
+        cfg = kj.KiviConfig(
+            group_size=4, residual_length=8, sinks=2, heavy_tokens=3,
+            selection=kj.Selection.MASS, residual_format=fmt,
+        )  # fmt: skip
+        cache = kj.init_cache(cfg, batch=1, max_len=30, num_kv_heads=2, head_dim=8)
+        cache = kj.prefill(cache, k, v, q=q)
+        scores.append(np.asarray(cache.side.heavy_score))
+    np.testing.assert_allclose(scores[1], scores[0], rtol=0.03)
