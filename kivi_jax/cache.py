@@ -27,7 +27,17 @@ vpb = 8 // v_bits codes per byte (bit order: kivi_jax.quantization):
 k_scale_format, v_scale_format, residual_format: config.Format): the key or value scales and
 zeros, or the rings (and a mixed state's sinks and heavy tokens), are then float8 arrays; a
 float8 residual rounds every token to it as it enters (`entering_tokens`), so the groups are
-quantized from the rounded tokens (docs/design.md, "Storage formats").
+quantized from the rounded tokens (docs/design.md, "Storage formats"). An INT8 residual
+(Format.INT8) holds each token as int8 codes and a power-of-two scale 2^e
+(quantization.encode_int8_tokens), the rings' codes in k_residual / v_residual (int8) and
+their exponents in
+
+    k_ring_exp int8  [B, H, R]                 e of the token in each key ring slot
+    v_ring_exp int8  [B, H, R]                 e of the token in each value ring slot
+
+(None for the other formats; a mixed state's sinks and heavy tokens likewise: sink_k_exp, ...);
+every token is rounded to it as it enters, and these values are a fixed point of encoding,
+so a token read from the ring and stored again (a heavy token) keeps its value.
 
 For a sequence of length l (KIVI.md, Algorithm 1), attention reads
 
@@ -113,7 +123,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kivi_jax import quantization
-from kivi_jax.config import KiviConfig
+from kivi_jax.config import Format, KiviConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -130,6 +140,10 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
         "heavy_pos",
         "heavy_score",
         "ring_score",
+        "sink_k_exp",
+        "sink_v_exp",
+        "heavy_k_exp",
+        "heavy_v_exp",
     ],
     meta_fields=[],
 )
@@ -147,6 +161,10 @@ class MixedState:
     heavy_pos: jax.Array | None
     heavy_score: jax.Array | None
     ring_score: jax.Array | None
+    sink_k_exp: jax.Array | None = None  # Format.INT8: [B, H, S] int8 exponents
+    sink_v_exp: jax.Array | None = None
+    heavy_k_exp: jax.Array | None = None  # Format.INT8: [B, H, N] int8 exponents
+    heavy_v_exp: jax.Array | None = None
 
 
 # A KiviCache's per-head arrays (its layout: the module doc).
@@ -164,7 +182,7 @@ _KIVI_ARRAYS = (
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=[*_KIVI_ARRAYS, "lengths", "overflow", "side"],
+    data_fields=[*_KIVI_ARRAYS, "lengths", "overflow", "side", "k_ring_exp", "v_ring_exp"],
     meta_fields=["config", "max_len", "dtype"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +205,8 @@ class KiviCache:
     max_len: int
     dtype: jnp.dtype
     side: MixedState | None = None
+    k_ring_exp: jax.Array | None = None  # Format.INT8: [B, H, R] int8 exponents
+    v_ring_exp: jax.Array | None = None
 
     @property
     def head_dim(self) -> int:
@@ -243,7 +263,7 @@ Cache = KiviCache | FullCache
 # table, and tests/test_cache.py checks it against every kind of cache.
 BATCH_AXIS = 0
 KV_HEAD_AXIS: dict[str, int | None] = {
-    **dict.fromkeys(_KIVI_ARRAYS, 1),
+    **dict.fromkeys([*_KIVI_ARRAYS, "k_ring_exp", "v_ring_exp"], 1),
     **dict.fromkeys([f.name for f in dataclasses.fields(MixedState)], 1),
     "k": 2,  # FullCache, token-major
     "v": 2,
@@ -328,6 +348,8 @@ def init_cache(
             k_residual=((*lead, r, head_dim), ring),
             v_residual=((*lead, r, head_dim), ring),
         )
+        if config.residual_format is Format.INT8:
+            shapes |= dict(k_ring_exp=((*lead, r), jnp.int8), v_ring_exp=((*lead, r), jnp.int8))
     shapes.update(lengths=((batch,), jnp.int32), overflow=((batch,), jnp.bool_))
     side_shapes = {} if config is None else _side_shapes(config, lead, cap, head_dim, ring)
 
@@ -352,6 +374,7 @@ def _side_shapes(config: KiviConfig, lead, cap: int, head_dim: int, dtype) -> di
     """{MixedState field: (shape, dtype) or None where that part has size 0}; the sinks and
     heavy tokens in `dtype`, the rings' (they hold tokens as the rings do)."""
     s, f, n = config.sinks, config.fine_key_channels, config.heavy_tokens
+    exp = config.residual_format is Format.INT8  # the tokens' exponents
     if f and head_dim > 256:
         raise ValueError(f"fine_key_channels needs head_dim <= 256 (uint8 indices), got {head_dim}")
     kpb = quantization.codes_per_byte(config.k_bits)
@@ -367,6 +390,10 @@ def _side_shapes(config: KiviConfig, lead, cap: int, head_dim: int, dtype) -> di
         heavy_pos=some(n, (*lead, n), jnp.int32),
         heavy_score=some(n, (*lead, n), jnp.float32),
         ring_score=some(config.needs_queries, (*lead, r), jnp.float32),
+        sink_k_exp=some(s and exp, (*lead, s), jnp.int8),
+        sink_v_exp=some(s and exp, (*lead, s), jnp.int8),
+        heavy_k_exp=some(n and exp, (*lead, n), jnp.int8),
+        heavy_v_exp=some(n and exp, (*lead, n), jnp.int8),
     )
 
 
@@ -571,11 +598,14 @@ def _extend_jit(cache: Cache, k: jax.Array, v: jax.Array, counts: jax.Array, q) 
 
 
 def entering_tokens(cfg: KiviConfig, x: jax.Array, dtype) -> jax.Array:
-    """Keys or values as a KIVI cache of `dtype` takes them in: cast to `dtype`, and rounded to
-    the residual format where it is a float8 one (config.Format; exact in `dtype`, decoded from
-    the float8 bits so that no compiler folds the round trip away)."""
-    ring = cfg.residual_format.dtype(dtype)
+    """Keys or values [..., D] as a KIVI cache of `dtype` takes them in: cast to `dtype`, and
+    rounded to the residual format where it is an 8-bit one (config.Format; exact in `dtype`: a
+    float8 value decoded from its bits so that no compiler folds the round trip away, an INT8
+    token's codes times its power of two)."""
     x = x.astype(dtype)
+    if cfg.residual_format is Format.INT8:
+        return quantization.int8_token_values(*quantization.encode_int8_tokens(x, dtype), dtype)
+    ring = cfg.residual_format.dtype(dtype)
     if not quantization.is_float8(ring):
         return x
     return quantization.as_float32(quantization.round_to_float8(x, ring)).astype(dtype)
@@ -960,6 +990,7 @@ def _extend_kivi(
     kpb = quantization.codes_per_byte(cfg.k_bits)
     side = cache.side
     heavy = cfg.heavy_tokens > 0
+    int8 = cfg.residual_format is Format.INT8  # rings step as codes and exponents (_ring_and_new)
 
     # Both rings take the new tokens that are among the last R, each at its slot t % R.
     t = old[:, None] + jnp.arange(seq)  # [B, seq]
@@ -977,7 +1008,9 @@ def _extend_kivi(
         windows.append((p0, seq, False))
     if cfg.needs_queries:
         windows.append((old - r, r + seq, False))
-    k_wins, k_ring = _ring_step(cache.k_residual, k, windows, old, keep)
+    k_wins, k_ring = _ring_step(*_ring_and_new(cache, "k", k), windows, old, keep)
+    if int8:
+        k_wins = [_decoded(w, dtype) for w in k_wins]
     codes, k_scale, k_zero, fine_lo, fine_channels = _quantize_keys(k_wins[0], cfg, g0, dtype)
     k_codes = quantization.pack_codes(codes, cfg.k_bits, axis=2)  # [B, H, width // kpb, D]
     jb, jg = jnp.arange(width // kpb), jnp.arange(width // g)
@@ -986,7 +1019,9 @@ def _extend_kivi(
 
     # Values leaving the window, read from the ring before the new tokens take their slots,
     # then from the new tokens.
-    (v_win,), v_ring = _ring_step(cache.v_residual, v, [(p0, seq, False)], old, keep)
+    (v_win,), v_ring = _ring_step(*_ring_and_new(cache, "v", v), [(p0, seq, False)], old, keep)
+    if int8:
+        v_win = _decoded(v_win, dtype)
     v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
     codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=v_params)
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
@@ -1002,7 +1037,13 @@ def _extend_kivi(
         v_zero=(out, v_zero),
     )
     updated = {name: _scatter(getattr(cache, name), *w, axis=2) for name, w in writes.items()}
-    updated |= dict(k_residual=k_ring, v_residual=v_ring)
+    if int8:
+        updated |= dict(
+            k_residual=k_ring[..., :-1], k_ring_exp=k_ring[..., -1],
+            v_residual=v_ring[..., :-1], v_ring_exp=v_ring[..., -1],
+        )  # fmt: skip
+    else:
+        updated |= dict(k_residual=k_ring, v_residual=v_ring)
     if side is None:
         return updated
 
@@ -1011,10 +1052,12 @@ def _extend_kivi(
         j = jnp.arange(cfg.sinks) - old[:, None]  # [B, S]
         takes = ((j >= 0) & (j < new[:, None] - old[:, None]))[:, None, :, None]
         at = jnp.clip(j, 0, seq - 1)
-        parts |= dict(
-            sink_k=jnp.where(takes, _gather(k, at).astype(side.sink_k.dtype), side.sink_k),
-            sink_v=jnp.where(takes, _gather(v, at).astype(side.sink_v.dtype), side.sink_v),
-        )
+        for name, x in (("sink_k", k), ("sink_v", v)):
+            old_sinks, new_sinks = getattr(side, name), _gather(x, at)
+            if int8:
+                new_sinks, e = quantization.encode_int8_tokens(new_sinks, dtype)
+                parts[f"{name}_exp"] = jnp.where(takes[..., 0], e, getattr(side, f"{name}_exp"))
+            parts[name] = jnp.where(takes, new_sinks.astype(old_sinks.dtype), old_sinks)
     if fine_lo is not None:
         parts |= dict(
             fine_codes=_scatter(
@@ -1030,7 +1073,10 @@ def _extend_kivi(
         v_leave = v_win.astype(jnp.float32)
         leaving = (pos < p1[:, None]) & (pos >= cfg.sinks)  # [B, seq]
         if cfg.needs_queries:
-            mass = _window_mass(cfg, q, k_wins[2], parts.get("sink_k"), old, new)  # [B, H, R+S]
+            sink_k = parts.get("sink_k")
+            if int8 and sink_k is not None:
+                sink_k = quantization.int8_token_values(sink_k, parts["sink_k_exp"], dtype)
+            mass = _window_mass(cfg, q, k_wins[2], sink_k, old, new)  # [B, H, R + S]
             slot_old = jnp.take_along_axis(side.ring_score, pos[:, None, :] % r, axis=2)
             from_old = jnp.where((pos < old[:, None])[:, None], slot_old, 0.0)
             e = pos - old[:, None] + r  # band index of the leaving tokens (in [0, R + S))
@@ -1050,8 +1096,8 @@ def _extend_kivi(
             score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
         h = k.shape[1]
         merge = _merge_one_heavy if seq == 1 else _merge_heavy
-        parts |= merge(
-            side,
+        merged = merge(
+            side_values(side, dtype) if int8 else side,  # merged as values, then encoded
             k_leave,
             v_leave,
             jnp.broadcast_to(pos[:, None], (pos.shape[0], h, seq)),
@@ -1059,7 +1105,56 @@ def _extend_kivi(
             jnp.broadcast_to(leaving[:, None], (pos.shape[0], h, seq)),
             cfg.heavy_tokens,
         )
+        if int8:
+            for name in ("heavy_k", "heavy_v"):
+                merged[name], merged[f"{name}_exp"] = quantization.encode_int8_tokens(
+                    merged[name], dtype
+                )
+        parts |= merged
     return updated | dict(side=dataclasses.replace(side, **parts))
+
+
+def _ring_and_new(cache: KiviCache, kv: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The `kv` ("k" or "v") ring and the new tokens x [B, H, S, D] (entering values) as
+    `_ring_step` takes them: as they are, or for an INT8 residual, each as one int8 array of
+    the tokens' codes and exponents, [B, H, R or S, D + 1] (a token's codes and exponent move
+    together; `_decoded` reads a window of it)."""
+    ring = getattr(cache, f"{kv}_residual")
+    if cache.config.residual_format is not Format.INT8:
+        return ring, x
+    exp = getattr(cache, f"{kv}_ring_exp")
+    codes, e = quantization.encode_int8_tokens(x, cache.dtype)
+    joined = lambda c, ee: jnp.concatenate([c, ee[..., None]], axis=-1)
+    return joined(ring, exp), joined(codes, e)
+
+
+def _decoded(x: jax.Array, dtype) -> jax.Array:
+    """An INT8 store's tokens [..., D + 1] (codes, then the exponent) as values of `dtype`."""
+    return quantization.int8_token_values(x[..., :-1], x[..., -1], dtype)
+
+
+def ring_values(cache: KiviCache) -> tuple[jax.Array, jax.Array]:
+    """The rings' tokens as values of the cache dtype: (keys, values [B, H, R, D]); a float8
+    ring widened exactly, an INT8 ring decoded (exact)."""
+    if cache.config.residual_format is Format.INT8:
+        return tuple(
+            quantization.int8_token_values(c, e, cache.dtype)
+            for c, e in ((cache.k_residual, cache.k_ring_exp), (cache.v_residual, cache.v_ring_exp))
+        )
+    wide = lambda x: x if x.dtype == cache.dtype else x.astype(cache.dtype)
+    return wide(cache.k_residual), wide(cache.v_residual)
+
+
+def side_values(side: MixedState, dtype) -> MixedState:
+    """`side` with an INT8 residual's sinks and heavy tokens decoded to values of `dtype`
+    (their exponents None); any other side as it is."""
+    parts = {}
+    for name in ("sink_k", "sink_v", "heavy_k", "heavy_v"):
+        exp = getattr(side, f"{name}_exp")
+        if exp is not None:
+            parts |= {name: quantization.int8_token_values(getattr(side, name), exp, dtype),
+                      f"{name}_exp": None}  # fmt: skip
+    return dataclasses.replace(side, **parts)
 
 
 def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
@@ -1107,14 +1202,15 @@ def dequantized_heads_major(cache: Cache) -> tuple[jax.Array, jax.Array]:
         )
         t = jnp.arange(kq.shape[2])
         n = cache.lengths[:, None, None, None]
-        k_res = jnp.take(cache.k_residual, t % r, axis=2).astype(jnp.float32)
-        v_res = jnp.take(cache.v_residual, t % r, axis=2).astype(jnp.float32)
+        k_ring, v_ring = ring_values(cache)
+        k_res = jnp.take(k_ring, t % r, axis=2).astype(jnp.float32)
+        v_res = jnp.take(v_ring, t % r, axis=2).astype(jnp.float32)
         pv = jnp.maximum(n - r, 0)
         qk = pv if cfg.sliding_keys else n - n % r
         k = jnp.where(t[:, None] < qk, kq, k_res)
         v = jnp.where(t[:, None] < pv, vq, v_res)
         if side is not None:
-            k, v = _side_overrides(side, k, v, t)
+            k, v = _side_overrides(side_values(side, cache.dtype), k, v, t)
     held = jnp.arange(k.shape[2])[:, None] < cache.lengths[:, None, None, None]
     return jnp.where(held, k, 0.0), jnp.where(held, v, 0.0)
 

@@ -45,24 +45,33 @@ class Format(enum.Enum):
       bits the codes' width), both rounded to nearest with the grid centred on the group
       (quantization.IntZero; the others' s rounded up and z down cover the range but widen
       every step).
+    INT8: tokens only (residual_format): each token's D values (one KV head) as int8 codes
+      with a power-of-two scale 2^e, e an int8 (quantization.encode_int8_tokens): 8 bits a
+      value and 8 a token; every value within max|x| / 127 of the token's largest.
     """
 
     CACHE = "cache"
     E4M3 = "e4m3"
     E5M2 = "e5m2"
     E4M3_INT8 = "e4m3-int8"
+    INT8 = "int8"
 
     def dtype(self, cache_dtype) -> jnp.dtype:
-        """The dtype this format stores tokens in, for a cache of `cache_dtype`."""
+        """The dtype this format stores tokens in, for a cache of `cache_dtype` (INT8: the
+        codes'; their exponents are int8 too)."""
         if self is Format.CACHE:
             return jnp.dtype(cache_dtype)
         if self is Format.E4M3_INT8:
             raise ValueError("Format.E4M3_INT8 stores scales and zeros, not tokens")
+        if self is Format.INT8:
+            return jnp.dtype(jnp.int8)
         return jnp.dtype(jnp.float8_e4m3fn if self is Format.E4M3 else jnp.float8_e5m2)
 
     def params(self, cache_dtype, bits: int):
         """How this format stores the scales and zeros of `bits`-bit codes in a cache of
         `cache_dtype`: their dtype, or a quantization.IntZero (quantize takes either)."""
+        if self is Format.INT8:
+            raise ValueError("Format.INT8 stores tokens, not scales and zeros")
         if self is Format.E4M3_INT8:
             return quantization.IntZero(jnp.dtype(cache_dtype), bits - 6)
         return self.dtype(cache_dtype)
@@ -96,7 +105,7 @@ class KiviConfig:
       k_scale_format, v_scale_format: the keys' and the values' scales and zero points (CACHE,
         E4M3, E5M2 or E4M3_INT8).
       residual_format: the tokens kept in full precision: both rings, the sinks and the heavy
-        tokens (CACHE, E4M3 or E5M2).
+        tokens (CACHE, E4M3, E5M2 or INT8).
     """
 
     k_bits: int = 2
@@ -167,8 +176,14 @@ class KiviConfig:
         if self.residual_format is Format.E4M3_INT8:
             raise ValueError(
                 "KiviConfig.residual_format cannot be Format.E4M3_INT8 (a format of scales and "
-                "zero points); use CACHE, E4M3 or E5M2"
+                "zero points); use CACHE, E4M3, E5M2 or INT8"
             )
+        for name in ("k_scale_format", "v_scale_format"):
+            if getattr(self, name) is Format.INT8:
+                raise ValueError(
+                    f"KiviConfig.{name} cannot be Format.INT8 (a format of tokens); use CACHE, "
+                    f"E4M3, E5M2 or E4M3_INT8"
+                )
 
     @property
     def plain_formats(self) -> bool:
@@ -203,11 +218,12 @@ KIVI2_MIX = KiviConfig(
 )
 # KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value"):
 # kivi2-mix's parts with e4m3 scales and int8 zero points rounded to nearest (E4M3_INT8), an
-# e4m3 residual (rings, sinks and heavy tokens) and 16 heavy tokens.
+# int8 residual with a power-of-two scale per token (rings, sinks and heavy tokens: INT8) and
+# 16 heavy tokens.
 KIVI2_LEAN = dataclasses.replace(
     KIVI2_MIX,
     heavy_tokens=16,
     k_scale_format=Format.E4M3_INT8,
     v_scale_format=Format.E4M3_INT8,
-    residual_format=Format.E4M3,
+    residual_format=Format.INT8,
 )

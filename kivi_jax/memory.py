@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kivi_jax import quantization
 from kivi_jax.cache import Cache, FullCache, check_cache
-from kivi_jax.config import KiviConfig
+from kivi_jax.config import Format, KiviConfig
 from kivi_jax.paged import PagedCache, merge
 
 
@@ -92,12 +92,17 @@ def memory_report(cache: Cache | PagedCache | tuple) -> MemoryReport:
     return MemoryReport(
         codes_bytes=size(cache.k_codes, cache.v_codes),
         scales_zeros_bytes=size(cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero),
-        residual_bytes=size(cache.k_residual, cache.v_residual),
+        residual_bytes=size(*jax.tree.leaves(_rings(cache))),
         counters_bytes=counters,
         full_precision_bytes=full_precision_bytes,
         capacity_values=2 * cache.v_codes.size * (8 // cache.config.v_bits),
         side_bytes=size(*jax.tree.leaves(cache.side)),
     )
+
+
+def _rings(cache) -> tuple:
+    """A KiviCache's rings, and an INT8 residual's exponents (None otherwise)."""
+    return cache.k_residual, cache.v_residual, cache.k_ring_exp, cache.v_ring_exp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,8 +118,8 @@ class HeldBits:
     the fine key channels' low planes and channel indices, the sinks, the filled heavy slots
     (key, value, int32 position, float32 score) and, with Selection.MASS, a float32 score per
     token in the window. Scales and zeros, the window, the sinks and the heavy tokens count
-    the bits of their storage format (KiviConfig's *_format: the dtype's, or 8 for float8);
-    dtype_bits is the cache dtype's.
+    the bits of their storage format (KiviConfig's *_format: the dtype's, or 8 for float8;
+    INT8 tokens 8 a value and 8 a token for the exponent); dtype_bits is the cache dtype's.
     """
 
     length: int
@@ -173,7 +178,8 @@ def held_bits(
     w = jnp.dtype(dtype).itemsize * 8
     side = 0
     kw = vw = 2 * w  # bits of a key group's scale and zero, of a value group's
-    rw = w  # bits of a full-precision token's key or value
+    rw = w  # bits of a full-precision token's key or value, per value
+    tw = 0  # and per token (an INT8 residual's exponent)
     if config is None:
         qk = pv = 0
         k_bits = v_bits = g = 1
@@ -186,14 +192,15 @@ def held_bits(
             )
         )
         rw = jnp.dtype(config.residual_format.dtype(dtype)).itemsize * 8
+        tw = 8 if config.residual_format is Format.INT8 else 0  # a token's int8 exponent
         g, r = config.group_size, config.residual_length
         pv = max(length - r, 0)
         qk = pv if config.sliding_keys else length - length % r
         k_bits, v_bits = config.k_bits, config.v_bits
         f, n, s = config.fine_key_channels, config.heavy_tokens, config.sinks
         side += qk * f * k_bits + 8 * f * qk // g  # low planes, channel indices
-        side += min(length, s) * 2 * head_dim * rw
-        side += min(n, max(pv - s, 0)) * (2 * head_dim * rw + 64)
+        side += min(length, s) * 2 * (head_dim * rw + tw)
+        side += min(n, max(pv - s, 0)) * (2 * (head_dim * rw + tw) + 64)
         side += 32 * min(length, r) if config.needs_queries else 0
     return HeldBits(
         length=length,
@@ -203,6 +210,6 @@ def held_bits(
         dtype_bits=w,
         code_bits=(qk * k_bits + pv * v_bits) * head_dim,
         scale_zero_bits=(kw * qk + vw * pv) * head_dim // g,
-        residual_bits=((length - qk) + (length - pv)) * head_dim * rw,
+        residual_bits=((length - qk) + (length - pv)) * (head_dim * rw + tw),
         side_bits=side,
     )

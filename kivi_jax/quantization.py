@@ -24,6 +24,17 @@ n = 0) and codes 0: all its members dequantize to NaN. Finite groups anywhere in
 get finite s, z and reconstructions (spans and products beyond the range are taken halved;
 docs/design.md, "Non-finite and extreme values").
 
+Tokens in int8 (`encode_int8_tokens`, the residual format config.Format.INT8): a token's D
+values x (one KV head) as int8 codes q with one power-of-two scale 2^e, e an int8: e is the
+least integer with max|x| <= 127 * 2^e (at least the cache dtype's smallest normal exponent),
+q = round(x / 2^e), and the token reads as q * 2^e, exact in the cache dtype (q has 7 bits, the
+dtype 8 or more; a product past the dtype's largest value is avoided by clipping q; a token of
+zeros stores e = 0). Every member is within 2^e / 2 <= max|x| / 127 of its value. A
+non-finite member (NaN, +-inf) stores the code -128 and reads as NaN; the token's other members
+are encoded as if it were absent. The values are a fixed point of encode and decode
+(`int8_token_values(*encode_int8_tokens(y))` is y for y of that form), so a token moved from
+one int8 store to another (the ring to the heavy slots) keeps its value.
+
 Packing (the only place that defines the bit order): `8 // bits` codes share one uint8. Along the
 packed axis, element i lives in byte i // (8 // bits) at bits [bits * (i % (8 // bits)), +bits),
 i.e. the first element in the least significant bits. Keys are packed along tokens and values along
@@ -326,3 +337,33 @@ def fake_quantize(
     params = x.dtype if params_dtype is None else params_dtype
     codes, scale, zero = quantize(x, bits, group_size, axis, params)
     return dequantize(codes, scale, zero, group_size, axis, params).astype(x.dtype)
+
+
+# Format.INT8's code of a non-finite member (NaN, +-inf): it reads as NaN.
+INT8_NAN = -128
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2^e in float32 for integer e in [-126, 127], from its bits (exact on every backend)."""
+    return lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def encode_int8_tokens(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Tokens x [..., D] (values of the cache dtype `dtype`) as int8 codes [..., D] and int8
+    exponents [...] (module doc: x ~= codes * 2^exponent)."""
+    xf = x.astype(jnp.float32)
+    finite = is_finite(xf)
+    m = jnp.max(jnp.where(finite, jnp.abs(xf), 0.0), axis=-1)
+    frac, k = jnp.frexp(m)  # m = frac * 2^k, frac in [0.5, 1) (0 for m = 0)
+    e = jnp.where(frac * 128 <= 127, k - 7, k - 6)  # least e with m <= 127 * 2^e
+    e = jnp.where(m > 0, jnp.maximum(e, jnp.finfo(dtype).minexp), 0)  # zeros: e = 0
+    top = float(jnp.finfo(dtype).max)
+    limit = jnp.minimum(127.0, jnp.floor(top * _pow2(-e)))[..., None]  # q 2^e within dtype
+    q = jnp.clip(jnp.round(jnp.where(finite, xf, 0.0) * _pow2(-e)[..., None]), -limit, limit)
+    return jnp.where(finite, q, INT8_NAN).astype(jnp.int8), e.astype(jnp.int8)
+
+
+def int8_token_values(codes: jax.Array, exponent: jax.Array, dtype) -> jax.Array:
+    """The tokens int8 codes [..., D] with exponents [...] hold, in `dtype` (exact)."""
+    x = codes.astype(jnp.float32) * _pow2(exponent)[..., None]
+    return jnp.where(codes == INT8_NAN, jnp.nan, x).astype(dtype)

@@ -190,8 +190,9 @@ def test_num_layers_gives_one_cache_per_layer():
         kj.KIVI4,
         kj.KIVI2_MIX,
         kj.KiviConfig(heavy_tokens=4, selection=kj.Selection.MASS),
+        kj.KIVI2_LEAN,
     ],
-    ids=["full", "kivi2", "kivi4", "kivi2-mix", "mass"],
+    ids=["full", "kivi2", "kivi4", "kivi2-mix", "mass", "kivi2-lean"],
 )
 def test_every_array_has_batch_on_axis_0_and_its_head_axis_in_the_table(config):
     # B = 3 and H = 5 appear in no other dimension, so each axis is identified by its size.

@@ -139,7 +139,8 @@ def test_mass_selection_and_cuda_core_gqa_kernels_interpret(rng):
 
 
 def test_kivi2_lean_matches_reference_interpret(rng):
-    """kivi2-lean's state (float8 scales, zeros and residual; issue 61) through the kernels."""
+    """kivi2-lean's state (e4m3 scales, int8 zeros, an INT8 residual; issue 61) through the
+    kernels."""
     cfg = dataclasses.replace(kj.KIVI2_LEAN, residual_length=64)
     _check(rng, cfg, D=64, n_rep=3, dtype=BF, lengths="streamed")
 

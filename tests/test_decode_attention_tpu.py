@@ -246,15 +246,17 @@ def test_one_block_holds_the_whole_capacity(rng):
     _check(q, cache, attend=attend)
 
 
-def test_int8_zero_points_are_read_as_their_values(rng):
-    """Format.E4M3_INT8 scales and zero points (issue 61), widened to the cache dtype by XLA
-    before the kernel (decode_attention.state.kernel_args)."""
+def test_int8_zero_points_and_an_int8_residual_are_read_as_their_values(rng):
+    """kivi2-lean's plain formats (issue 61): Format.E4M3_INT8 scales and zero points and an
+    INT8 residual, widened to the cache dtype by XLA before the kernel
+    (decode_attention.state.kernel_args)."""
     int8 = kivi_jax.Format.E4M3_INT8
     q, cache = _case(
         rng, k_bits=2, v_bits=2, D=64, n_rep=1, dtype=jnp.bfloat16, prompts=[150, 40],
         steps=0, max_len=160, k_scale_format=int8, v_scale_format=int8,
+        residual_format=kivi_jax.Format.INT8,
     )  # fmt: skip
-    assert cache.k_zero.dtype == cache.v_zero.dtype == jnp.int8
+    assert cache.k_zero.dtype == cache.v_zero.dtype == cache.k_residual.dtype == jnp.int8
     _check(q, cache)
 
 

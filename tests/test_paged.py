@@ -23,7 +23,13 @@ H, D, N = 2, 32, 4  # kv heads, head_dim, query heads
 PS, MAX_LEN = 64, 256  # page size, max_len (4 pages a row)
 CONFIGS = {
     "kivi2": KiviConfig(residual_length=32),
-    "kivi4-f8": KiviConfig(k_bits=4, v_bits=4, residual_length=32, k_scale_format=Format.E4M3),
+    "kivi4-8bit": KiviConfig(
+        k_bits=4,
+        v_bits=4,
+        residual_length=32,
+        k_scale_format=Format.E4M3,
+        residual_format=Format.INT8,
+    ),
     "mix-error": dataclasses.replace(KIVI2_MIX, residual_length=32, selection=Selection.ERROR),
     "full": None,
 }
@@ -47,7 +53,7 @@ def test_pages_in_any_order_read_and_append_as_the_contiguous_state(kind):
     check_paged_equals_contiguous(CONFIGS[kind])
 
 
-@pytest.mark.parametrize("kind", ["kivi4-f8", "mix-error"])
+@pytest.mark.parametrize("kind", ["kivi4-8bit", "mix-error"])
 def test_other_formats_and_a_mixed_state_page_alike(kind, slow_only):
     check_paged_equals_contiguous(CONFIGS[kind])
 

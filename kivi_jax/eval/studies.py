@@ -585,30 +585,35 @@ LEAN_PASSKEY = ("fp", "kivi2-lean")
 
 def lean_candidates() -> dict[str, KiviConfig | None]:
     """The rows of the fewer-bits study (issue 61): fp, kivi2-lean, KIVI-2 with each storage
-    option alone (float8 scales and zeros, e4m3 scales with int8 zeros, a float8 residual),
-    kivi2-mix with its side storage trimmed (16 heavy tokens, not 32) and kivi2-lean with
-    e4m3 zeros."""
+    option alone (float8 scales and zeros, e4m3 scales with int8 zeros, an e4m3 or int8
+    residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32) and
+    kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets)."""
     e4m3 = dict(k_scale_format=Format.E4M3, v_scale_format=Format.E4M3)
     int8 = dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8)
+    e4m3_ring = dict(residual_format=Format.E4M3)
     return {
         "fp": None,
         "kivi2-lean": KIVI2_LEAN,
         "kivi2 + e4m3 scales": dataclasses.replace(KIVI2, **e4m3),
         "kivi2 + e4m3-int8 scales": dataclasses.replace(KIVI2, **int8),
-        "kivi2 + e4m3 residual": dataclasses.replace(KIVI2, residual_format=Format.E4M3),
+        "kivi2 + e4m3 residual": dataclasses.replace(KIVI2, **e4m3_ring),
+        "kivi2 + int8 residual": dataclasses.replace(KIVI2, residual_format=Format.INT8),
         "kivi2-mix, 16 heavy": dataclasses.replace(KIVI2_MIX, heavy_tokens=16),
-        "kivi2-lean, e4m3 zeros": dataclasses.replace(KIVI2_LEAN, **e4m3),
+        "kivi2-lean, e4m3 residual": dataclasses.replace(KIVI2_LEAN, **e4m3_ring),
+        "kivi2-lean, e4m3 residual and zeros": dataclasses.replace(KIVI2_LEAN, **e4m3_ring, **e4m3),
     }
 
 
 def format_candidates() -> dict[str, KiviConfig]:
     """KIVI-2 with each 8-bit format for the scales and zeros (e4m3 or e4m3 scales with int8
-    zeros), and for the residual (e4m3): the configurations whose attention-output error
-    picks the formats (e5m2 lost to e4m3 for both: docs/accuracy.md)."""
+    zeros), and for the residual (e4m3, or int8 with a power-of-two scale per token): the
+    configurations whose attention-output error picks the formats (e5m2 lost to e4m3 for
+    both: docs/accuracy.md)."""
     out = {"kivi2": KIVI2}
     for f in (Format.E4M3, Format.E4M3_INT8):
         out[f"{f.value} scales"] = dataclasses.replace(KIVI2, k_scale_format=f, v_scale_format=f)
-    out["e4m3 residual"] = dataclasses.replace(KIVI2, residual_format=Format.E4M3)
+    for f in (Format.E4M3, Format.INT8):
+        out[f"{f.value} residual"] = dataclasses.replace(KIVI2, residual_format=f)
     return out
 
 

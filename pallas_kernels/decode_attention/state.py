@@ -43,7 +43,9 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
     The kernels read scales, zeros and rings in the cache dtype: those stored in a float8
     format (KiviConfig's *_format) are widened to it first, exactly (every float8 value is a
     bfloat16, float16 and float32 value), by XLA, a pass over them before the kernels; an
-    int8 zero point (Format.E4M3_INT8) is read as its value, which is one of the cache dtype."""
+    int8 zero point (Format.E4M3_INT8) is read as its value, which is one of the cache dtype,
+    and so are an INT8 ring's tokens (codes times a power of two, kivi_jax.cache.ring_values)."""
+    from kivi_jax.cache import ring_values
     from kivi_jax.quantization import zero_values
 
     cfg = cache.config
@@ -59,8 +61,7 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
         cache.v_codes,
         wide(cache.v_scale),
         zeros(cache.v_scale, cache.v_zero, cfg.v_scale_format, cfg.v_bits),
-        wide(cache.k_residual),
-        wide(cache.v_residual),
+        *ring_values(cache),
         cache.lengths,
     )
     return arrays, dict(
@@ -73,7 +74,11 @@ def kernel_args(cache) -> tuple[tuple[jax.Array, ...], dict]:
 
 def mixed_args(cache) -> tuple[tuple, dict]:
     """What the GPU kernels read of a mixed state beyond `kernel_args`: ((side,), dict(
-    sliding_keys=...)), or ((), {}) for a plain state."""
+    sliding_keys=...)), or ((), {}) for a plain state; INT8 sinks and heavy tokens decoded
+    to the cache dtype (exact), as the rings are."""
+    from kivi_jax.cache import side_values
+
     if cache.side is None:
         return (), {}
-    return (cache.side,), dict(sliding_keys=cache.config.sliding_keys)
+    side = side_values(cache.side, cache.dtype)  # INT8 sinks and heavy tokens as values
+    return (side,), dict(sliding_keys=cache.config.sliding_keys)
