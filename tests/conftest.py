@@ -58,13 +58,6 @@ def _release_compiled_programs():
         gc.collect()
 
 
-def pytest_collection_modifyitems(config, items):
-    """A test that takes `slow_only` is marked slow, so that `pytest -m slow` selects it."""
-    for item in items:
-        if "slow_only" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.slow)
-
-
 @pytest.fixture(scope="module")
 def slow_only(request):
     """Skips unless slow tests were asked for (`pytest -m slow`): full grids, larger sweeps."""

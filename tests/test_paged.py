@@ -53,6 +53,7 @@ def test_pages_in_any_order_read_and_append_as_the_contiguous_state(kind):
     check_paged_equals_contiguous(CONFIGS[kind])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kivi4-8bit", "mix-error"])
 def test_other_formats_and_a_mixed_state_page_alike(kind, slow_only):
     check_paged_equals_contiguous(CONFIGS[kind])
