@@ -156,7 +156,7 @@ def random_paged(cfg, lengths, *, seed, dtype=jnp.float32, heads=H, head_dim=D, 
                                table=jnp.asarray(table))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["kivi2", "kivi4-f8", "full", "mix-error"])
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4-8bit", "full", "mix-error"])
 @pytest.mark.parametrize("window", [None, 70])
 def test_paged_reference_reads_page_by_page_as_the_reference_reads_the_view(kind, window):
     # lengths: two pages and a half (row 0), a row sharing row 0's first page, a row whose
