@@ -103,15 +103,21 @@ def test_a_mixed_state_is_named_where_the_paged_kernels_do_not_read_it():
         gpu.decode_attention_pallas_paged(q, state, interpret=True)
 
 
+def abstract_paged_kivi2(B, H, D, ps, M):
+    """The shapes of a bfloat16 KIVI-2 (G 32, R 128) PagedCache of B rows of M pages of ps
+    tokens, B * M pages in the pool (nothing allocated: for lowering only)."""
+    cfg = kivi_jax.KiviConfig(group_size=32, residual_length=128)
+    return jax.eval_shape(lambda: paged.init_paged(
+        cfg, batch=B, pages=B * M, page_size=ps, max_len=M * ps, num_kv_heads=H, head_dim=D,
+        dtype=jnp.bfloat16,
+    ))  # fmt: skip
+
+
 @pytest.mark.parametrize(("n_rep", "tuning"), [(1, GpuTuning()), (4, GpuTuning()), (4, CC)])
 def test_paged_kernels_lower_to_triton(monkeypatch, n_rep, tuning):
     # for CUDA, on the CPU: the table loaded in the kernels, the pool's pages indexed by it
     B, H, D, ps, M = 2, 2, 64, 128, 4
-    cfg = kivi_jax.KiviConfig(group_size=32, residual_length=128)
-    state = jax.eval_shape(lambda: paged.init_paged(
-        cfg, batch=B, pages=B * M, page_size=ps, max_len=M * ps, num_kv_heads=H, head_dim=D,
-        dtype=jnp.bfloat16,
-    ))  # fmt: skip
+    state = abstract_paged_kivi2(B, H, D, ps, M)
     q = jax.ShapeDtypeStruct((B, H * n_rep, D), jnp.bfloat16)
     run = lambda q, s: gpu.decode_attention_pallas_paged(q, s, tuning=tuning)
     names = set(triton_modules(monkeypatch, run, q, state))
@@ -172,11 +178,7 @@ def test_the_paged_tpu_kernel_lowers_for_tpu(n_rep, D, ps):
     # table from SMEM) accepts it: one Mosaic custom call, at 8 rows of 16 pages of 2048 (and
     # of 1536: three chunks a page, blocks of one chunk)
     B, H, M = 8, 2, 16
-    cfg = kivi_jax.KiviConfig(group_size=32, residual_length=128)
-    state = jax.eval_shape(lambda: paged.init_paged(
-        cfg, batch=B, pages=B * M, page_size=ps, max_len=M * ps, num_kv_heads=H, head_dim=D,
-        dtype=jnp.bfloat16,
-    ))  # fmt: skip
+    state = abstract_paged_kivi2(B, H, D, ps, M)
     q = jax.ShapeDtypeStruct((B, H * n_rep, D), jnp.bfloat16)
     run = lambda q, s: tpu.decode_attention_pallas_tpu_paged(q, s)
     hlo = jax.jit(run).trace(q, state).lower(lowering_platforms=("tpu",)).as_text()

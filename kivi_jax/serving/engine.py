@@ -608,21 +608,21 @@ class Engine:
 
     def _abstract_state(self, slots: int) -> SlotState:
         """The shapes, dtypes and shardings of the state of `slots` rows (nothing allocated)."""
-        state = jax.eval_shape(lambda: self._empty_state(slots))
-        if self.mesh is None:
-            shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), state)
-        else:
-            shardings = jax.tree.map(_trimmed, programs.state_sharding(state, self.mesh))
-        return jax.tree.map(_spec, state, shardings)
+        return self._abstract(lambda: self._empty_state(slots), programs.state_sharding)
 
     def _abstract_pool(self, pages: int) -> tuple:
         """The shapes, dtypes and shardings of a pool of `pages` pages (nothing allocated)."""
-        pool = jax.eval_shape(lambda: self._empty_pool(pages))
+        return self._abstract(lambda: self._empty_pool(pages), sharding.cache_sharding)
+
+    def _abstract(self, build, shardings_on):
+        """`build()`'s shapes and dtypes, placed on the one device or, on a mesh, as
+        `shardings_on(tree, mesh)` places them."""
+        tree = jax.eval_shape(build)
         if self.mesh is None:
-            shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), pool)
+            shardings = jax.tree.map(lambda _: SingleDeviceSharding(self._devices[0]), tree)
         else:
-            shardings = jax.tree.map(_trimmed, sharding.cache_sharding(pool, self.mesh))
-        return jax.tree.map(_spec, pool, shardings)
+            shardings = jax.tree.map(_trimmed, shardings_on(tree, self.mesh))
+        return jax.tree.map(_spec, tree, shardings)
 
     def _empty_state(self, slots: int) -> SlotState:
         p = self.params
@@ -1320,7 +1320,6 @@ class Engine:
         self._saved.pop(key, None)
 
     def _op_prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self._batch = None  # the last batch's rows are inserted: freed before the next
         self._batch = programs.prefill_batch(self.params, tokens, lengths, kv=self.kv,
                                              max_len=self.max_len)  # fmt: skip
 

@@ -128,8 +128,8 @@ def edit_logits(
         scores = scores + pad(corr)
         bound = fine_bound(qs, k_scale, side.fine_channels, k_bits=k_bits)
         block_max = block_max + pad(bound)[..., None]
-    t = jnp.arange(C)  # token positions
     if sliding_keys:  # token t in [Pv, Qk) reads ring slot t % R
+        t = jnp.arange(C)  # token positions
         R = residual_length
         pv = jnp.maximum(lengths - R, 0)[:, None, None, None]
         qk = (lengths - lengths % R)[:, None, None, None]
