@@ -215,3 +215,29 @@ def test_gemv_default_tiling_fills_the_gpu_and_divides_k():
         warps = (n_bytes // t.block_bytes()) * t.splits * t.num_warps
         unit = group if group != k else t.rows_per_step
         assert warps >= 8 * 132 or t.splits == k // (t.num_warps * unit)
+
+
+def test_dense_takes_the_small_m_kernel_for_one_or_two_rows(monkeypatch):
+    # With the backend said to be a GPU and both kernels replaced by recorders: 1-2 rows go to
+    # the small-M kernel, 3-64 to the tensor-core kernel, a shape neither takes (groups of 96)
+    # to the reference with the reason.
+    import kivi_jax.pallas_kernels.matmul.gpu as tensor_cores
+
+    calls = []
+
+    def recorder(name):
+        def kernel(x, qvalue, scale, zero_point):
+            calls.append((name, x.shape[0]))
+            return jnp.zeros((x.shape[0], qvalue.shape[1]), jnp.float32)
+
+        return kernel
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gemv, "quantized_gemv", recorder("gemv"))
+    monkeypatch.setattr(tensor_cores, "quantized_matmul", recorder("tensor cores"))
+    w = quantize_matrix(jnp.ones((256, 256), jnp.bfloat16), bits=4, group_size=32)
+    for shape in [(1, 1, 256), (2, 256), (3, 256), (64, 256)]:
+        assert dense(jnp.ones(shape, jnp.bfloat16), w).shape == (*shape[:-1], 256)
+    assert calls == [("gemv", 1), ("gemv", 2), ("tensor cores", 3), ("tensor cores", 64)]
+    w96 = quantize_matrix(jnp.ones((576, 256), jnp.bfloat16), bits=4, group_size=128)
+    assert "groups of 96" in fused_unsupported_reason(jnp.ones((1, 576), jnp.bfloat16), w96)

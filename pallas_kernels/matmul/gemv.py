@@ -46,9 +46,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# The most rows the kernel takes: each row adds one FMA a code, and at 3 rows the compiled loop
-# (~4.9-5.4 instructions a code, 195-255 registers) is no shorter than the tensor-core kernel's
-# 5.5 for any M up to 16 (docs/performance.md).
+# The most rows the kernel takes: each row adds one FMA a code; at 3 rows the compiled loop
+# (4.65 instructions a code, 193 registers a thread) is 15% under the tensor-core kernel's 5.5
+# at a third of the occupancy, at 4 (5.74) over it (docs/performance.md; untimed).
 MAX_ROWS = 2
 # x is scaled by 2^A so that x * (q + o) * 2^(pos - 149) is a normal float32.
 A = 64
