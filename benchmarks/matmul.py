@@ -1,6 +1,7 @@
-"""Decode matmuls with quantized weights on one GPU: the fused kernel
-(pallas_kernels/matmul/gpu.py) against XLA's dequantize-then-dot (kivi_jax.weights' reference)
-and the bf16 weight's dot, on the linear layers of the Llama-3-8B shape at decode batch sizes.
+"""Decode matmuls with quantized weights on one GPU: the fused kernels (the tensor-core
+pallas_kernels/matmul/gpu.py; at 1-2 rows also the small-M gemv.py) against XLA's
+dequantize-then-dot (kivi_jax.weights' reference) and the bf16 weight's dot, on the linear
+layers of the Llama-3-8B shape at decode batch sizes.
 
 Per row: GPU time (a CUPTI trace, entries timed round-robin, medians; rows of one call only),
 the byte floor (the weight's stored bytes, scales and zero points included, over the read
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kivi_jax.pallas_kernels.matmul import gemv
 from kivi_jax.pallas_kernels.matmul.gpu import Tiling, default_tiling, quantized_matmul, row_step
 from timing import interleaved, kernel_totals, measure_read_bandwidth, traced_by_entry
 
@@ -39,6 +41,10 @@ TILINGS = tuple(
     for s in (1, 2, 4, 8)
     for w, st in ((4, 3), (8, 5))
 )
+
+
+def bits_of(w) -> int:
+    return storage_bits(w.qvalue)
 
 
 def stored_bytes(w) -> int:
@@ -87,6 +93,9 @@ def main(argv=None) -> None:
             )
         )
 
+    small = jax.jit(
+        lambda x, w: gemv.quantized_gemv(x, w.qvalue, w.scale, w.zero_point, interpret=not gpu)
+    )
     xla = jax.jit(lambda x, w: x @ dequantize(w).astype(x.dtype))
     rows = []
     for name, (k, n) in shapes.items():
@@ -102,6 +111,9 @@ def main(argv=None) -> None:
                 weights[fmt] = w
                 runs[(fmt, "xla", None)] = (xla, (x, w))
                 runs[(fmt, "kernel", None)] = (kernel(), (x, w))
+                if gemv.unsupported_reason(b, k, n, w.group, w.qvalue.dtype, x.dtype,
+                                           w.scale.dtype) is None:  # fmt: skip
+                    runs[(fmt, "gemv", None)] = (small, (x, w))
                 if gpu and b in (args.sweep or ()):
                     for t in TILINGS:
                         if k % (t.splits * row_step(k, w.group, t.block_k)) == 0:
@@ -129,6 +141,8 @@ def main(argv=None) -> None:
                 if (fmt, impl, None) in traced:
                     kt = kernel_totals(traced[(fmt, impl, None)][0])
                     row["kernels"] = {nm[:60]: [c, s * 1e6] for nm, (c, s) in kt.items()}
+                if impl == "gemv":
+                    row["tiling"] = str(gemv.default_tiling(k, n * bits_of(w) // 8, w.group))
                 if impl == "kernel":
                     row["tiling"] = str(default_tiling(k, n, w.group))
                     swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
@@ -163,8 +177,8 @@ def markdown(result: dict) -> str:
         "weight's stored bytes (scales and zero points included) over the read bandwidth.",
         "",
         "| layer [in, out] | batch | format | XLA dequant + dot µs | kernel µs | kernel % of floor "
-        "| bf16 dot µs | kernel vs bf16 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| small-M kernel µs (% of floor) | bf16 dot µs | best kernel vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     get = lambda r, fmt, impl: next(
         (x for x in result["rows"] if (x["shape"], x["batch"], x["format"], x["impl"])
@@ -174,14 +188,17 @@ def markdown(result: dict) -> str:
         if r["impl"] != "kernel" or "error" in r:
             continue
         xla, bf16 = get(r, r["format"], "xla"), get(r, "bf16", "dot")
-        ratio = bf16.get("us") / r["us"] if r["us"] and bf16.get("us") else None
+        small = get(r, r["format"], "gemv")
+        best = min((v for v in (r["us"], small.get("us")) if v), default=None)
+        ratio = bf16.get("us") / best if best and bf16.get("us") else None
+        small_cell = f"{small['us']:.1f} ({small['pct_floor']:.0f}%)" if small.get("us") else "-"
         lines.append(
             f"| {r['shape']} [{r['k']}, {r['n']}] | {r['batch']} | {r['format']} "
             f"| {fmt_us(xla.get('us'))} | {fmt_us(r['us'])} "
-            f"| {r['pct_floor']:.0f}% | {fmt_us(bf16.get('us'))} | "
+            f"| {r['pct_floor']:.0f}% | {small_cell} | {fmt_us(bf16.get('us'))} | "
             + (f"{ratio:.2f}x |" if ratio else "- |")
             if r["us"]
-            else f"| {r['shape']} | {r['batch']} | {r['format']} | - | - | - | - | - |"
+            else f"| {r['shape']} | {r['batch']} | {r['format']} | - | - | - | - | - | - |"
         )
     return "\n".join(lines) + "\n"
 
