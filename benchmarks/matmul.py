@@ -6,8 +6,8 @@ layers of the Llama-3-8B shape at decode batch sizes.
 Per row: GPU time (a CUPTI trace, entries timed round-robin, medians; rows of one call only),
 the byte floor (the weight's stored bytes, scales and zero points included, over the read
 bandwidth measured in the same call) and the percent of it, and the kernels of one run. With
-`--sweep` each kernel row also tries the tilings of TILINGS and reports the best beside the
-default's.
+`--sweep` each kernel row also tries the tilings of TILINGS (the small-M kernel's rows: those of
+gemv_tilings) and reports the best beside the default's.
 
     python benchmarks/matmul.py --out DIR [--batches 1 16 64] [--sweep 16] [--formats int8 ...]
     python benchmarks/matmul.py --smoke --out DIR    # CPU: small shapes, interpreted kernel
@@ -43,8 +43,21 @@ TILINGS = tuple(
 )
 
 
-def bits_of(w) -> int:
-    return storage_bits(w.qvalue)
+def gemv_tilings(k: int, n_bytes: int, group: int) -> list:
+    """The small-M kernel's sweep: at 16, 8 and 4 bytes a thread, the fewest K splits that
+    give 2, 4 and 8 warps an SM (132 SMs)."""
+    out = []
+    for per_thread in (16, 8, 4):
+        if n_bytes % (per_thread * 32):
+            continue
+        blocks = n_bytes // (per_thread * 32)
+        fits = [gemv.Tiling(per_thread, num_warps=4, splits=d) for d in range(1, k // 32 + 1)]
+        fits = [t for t in fits if gemv.tiling_unsupported_reason(t, k, n_bytes, group) is None]
+        for per_sm in (2, 4, 8):
+            t = next((t for t in fits if blocks * t.splits * 4 >= per_sm * 132), None)
+            if t is not None and t not in out:
+                out.append(t)
+    return out
 
 
 def stored_bytes(w) -> int:
@@ -93,9 +106,13 @@ def main(argv=None) -> None:
             )
         )
 
-    small = jax.jit(
-        lambda x, w: gemv.quantized_gemv(x, w.qvalue, w.scale, w.zero_point, interpret=not gpu)
-    )
+    def small(t=None):
+        return jax.jit(
+            lambda x, w: gemv.quantized_gemv(
+                x, w.qvalue, w.scale, w.zero_point, tiling=t, interpret=not gpu
+            )
+        )
+
     xla = jax.jit(lambda x, w: x @ dequantize(w).astype(x.dtype))
     rows = []
     for name, (k, n) in shapes.items():
@@ -113,7 +130,10 @@ def main(argv=None) -> None:
                 runs[(fmt, "kernel", None)] = (kernel(), (x, w))
                 if gemv.unsupported_reason(b, k, n, w.group, w.qvalue.dtype, x.dtype,
                                            w.scale.dtype) is None:  # fmt: skip
-                    runs[(fmt, "gemv", None)] = (small, (x, w))
+                    runs[(fmt, "gemv", None)] = (small(), (x, w))
+                    if gpu and b in (args.sweep or ()):
+                        for t in gemv_tilings(k, n * bits // 8, w.group):
+                            runs[(fmt, "gemv", t)] = (small(t), (x, w))
                 if gpu and b in (args.sweep or ()):
                     for t in TILINGS:
                         if k % (t.splits * row_step(k, w.group, t.block_k)) == 0:
@@ -142,15 +162,16 @@ def main(argv=None) -> None:
                     kt = kernel_totals(traced[(fmt, impl, None)][0])
                     row["kernels"] = {nm[:60]: [c, s * 1e6] for nm, (c, s) in kt.items()}
                 if impl == "gemv":
-                    row["tiling"] = str(gemv.default_tiling(k, n * bits_of(w) // 8, w.group))
+                    bits = storage_bits(w.qvalue)
+                    row["tiling"] = str(gemv.default_tiling(k, n * bits // 8, w.group, bits=bits))
                 if impl == "kernel":
                     row["tiling"] = str(default_tiling(k, n, w.group))
-                    swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
-                             if (f, i) == (fmt, impl) and t is not None
-                             and isinstance(times.get((f, i, t)), float)}  # fmt: skip
-                    if swept:
-                        best = min(swept, key=swept.get)
-                        row |= dict(best_us=swept[best] * 1e6, best_tiling=str(best))
+                swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
+                         if (f, i) == (fmt, impl) and t is not None
+                         and isinstance(times.get((f, i, t)), float)}  # fmt: skip
+                if swept:
+                    best = min(swept, key=swept.get)
+                    row |= dict(best_us=swept[best] * 1e6, best_tiling=str(best))
                 rows.append(row)
                 print(f"{name:8s} b{b:<3d} {fmt:10s} {impl:6s} "
                       f"{row['us'] or 0:8.1f} us floor {row['floor_us']:6.1f} "

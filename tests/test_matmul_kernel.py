@@ -207,14 +207,20 @@ def test_what_the_gemv_refuses(m, k, n, group, qdtype, xdtype, sdtype, says):
 
 
 def test_gemv_default_tiling_fills_the_gpu_and_divides_k():
-    # Llama-3-8B's layers in int4 groups of 128 (bytes: N / 2) and int8 per channel.
-    for k, n_bytes, group in [(4096, 14336, 128), (14336, 2048, 128), (4096, 3072, 128),
-                              (4096, 28672, 4096), (14336, 4096, 14336)]:  # fmt: skip
-        t = gemv.default_tiling(k, n_bytes, group)
+    # Llama-3-8B's layers (K, N's bytes, group, bits): int4 in groups of 128 and int8 per
+    # channel; every tiling fits, gives 4 warps an SM, and its float32 partial sums (8 bytes a
+    # split and column, written and read) stay within an eighth of the weight's bytes.
+    layers = [(4096, 14336, 128, 4), (14336, 2048, 128, 4), (4096, 3072, 128, 4),
+              (4096, 2048, 128, 4), (4096, 28672, 4096, 8), (14336, 4096, 14336, 8)]  # fmt: skip
+    for k, n_bytes, group, bits in layers:
+        t = gemv.default_tiling(k, n_bytes, group, bits=bits)
         assert gemv.tiling_unsupported_reason(t, k, n_bytes, group) is None
-        warps = (n_bytes // t.block_bytes()) * t.splits * t.num_warps
-        unit = group if group != k else t.rows_per_step
-        assert warps >= 8 * 132 or t.splits == k // (t.num_warps * unit)
+        assert (n_bytes // t.block_bytes()) * t.splits * t.num_warps >= 4 * 132
+        assert 8 * t.splits * (n_bytes * 8 // bits) <= k * n_bytes / 8
+    # w_gate_up: 8 splits of 4 runs of one group; w_o: 16 bytes a thread would need 64 splits
+    # (partial sums a quarter of the weight), so 8 bytes and 32.
+    assert gemv.default_tiling(4096, 14336, 128) == gemv.Tiling(16, num_warps=4, splits=8)
+    assert gemv.default_tiling(4096, 2048, 128) == gemv.Tiling(8, num_warps=4, splits=32)
 
 
 def test_dense_takes_the_small_m_kernel_for_one_or_two_rows(monkeypatch):

@@ -97,21 +97,30 @@ class Tiling:
         return self.bytes_per_thread * 32
 
 
-def default_tiling(k: int, n_bytes: int, group: int, *, sms: int = 132) -> Tiling:
-    """16 bytes a thread (fewer where N's bytes are not a multiple of 512), up to 4 warps a
-    program (each warp's run whole row groups; per channel whole steps), K split into the
-    fewest runs that give 8 warps an SM: 8 one-warp loads of 512 bytes in flight each."""
-    per_thread = 16
-    while per_thread > 4 and n_bytes % (per_thread * 32):
-        per_thread //= 2
-    unit = group if group != k else Tiling.rows_per_step  # rows a warp's run is made of
-    warps = next(w for w in (4, 2, 1) if k % (w * unit) == 0)
-    runs = k // (warps * unit)  # the most splits
-    blocks = n_bytes // (per_thread * 32)
-    splits = next(
-        (d for d in range(1, runs + 1) if runs % d == 0 and blocks * d * warps >= 8 * sms), runs
-    )
-    return Tiling(bytes_per_thread=per_thread, num_warps=warps, splits=splits)
+def default_tiling(k: int, n_bytes: int, group: int, *, bits: int = 4, sms: int = 132) -> Tiling:
+    """4 warps a program (fewer where K is short) and the fewest K splits that give 4 x sms
+    warps (each with 8 rows x 512 bytes in flight: 2 MB in all, the read bandwidth times ~0.7
+    us of latency), at 16 bytes a thread (the shortest loop: docs/performance.md), or 8 or 4
+    where 16 would need float32 partial sums (written and read: 8 bytes a split and column)
+    of more than 1/8 of the weight's bytes; of tilings all over that, the one with the fewest
+    partial sums. Not yet timed (benchmarks/matmul.py --sweep tries others)."""
+    cols = n_bytes * 8 // bits
+    options = []
+    for per_thread in (16, 8, 4):
+        if n_bytes % (per_thread * 32):
+            continue
+        blocks = n_bytes // (per_thread * 32)
+        warps = next(w for w in (4, 2, 1) if k % (w * Tiling.rows_per_step) == 0)
+        fits = [
+            Tiling(bytes_per_thread=per_thread, num_warps=warps, splits=d)
+            for d in range(1, k // (warps * Tiling.rows_per_step) + 1)
+        ]
+        fits = [t for t in fits if tiling_unsupported_reason(t, k, n_bytes, group) is None]
+        t = next((t for t in fits if blocks * t.splits * warps >= 4 * sms), fits[-1])
+        if 8 * t.splits * cols <= k * n_bytes / 8:
+            return t
+        options.append(t)
+    return min(options, key=lambda t: t.splits)
 
 
 def unsupported_reason(m: int, k: int, n: int, group: int, qdtype, xdtype, sdtype) -> str | None:
@@ -136,14 +145,16 @@ def unsupported_reason(m: int, k: int, n: int, group: int, qdtype, xdtype, sdtyp
 
 
 def tiling_unsupported_reason(t: Tiling, k: int, n_bytes: int, group: int) -> str | None:
-    """Why tiling `t` does not fit K, N's bytes and the row groups (group = K: per channel)."""
+    """Why tiling `t` does not fit K, N's bytes and the row groups (group = K: per channel):
+    each warp's run of kw = K / (splits x warps) rows must be whole loop steps and either
+    whole groups or, all warps of a split together, within one group."""
     if t.bytes_per_thread not in (4, 8, 16) or n_bytes % t.block_bytes():
         return f"{t.bytes_per_thread} bytes a thread do not tile {n_bytes} bytes of columns"
-    unit = group if group != k else t.rows_per_step
-    if group != k and group % t.rows_per_step:
-        return f"groups of {group} rows are not whole steps of {t.rows_per_step}"
-    if k % (t.splits * t.num_warps * unit):
-        return f"K = {k} is not {t.splits} splits x {t.num_warps} warps x runs of {unit} rows"
+    if k % (t.splits * t.num_warps * t.rows_per_step):
+        return f"K = {k} is not {t.splits} splits x {t.num_warps} warps x {t.rows_per_step} rows"
+    kw = k // (t.splits * t.num_warps)
+    if group != k and kw % group and group % (kw * t.num_warps):
+        return f"runs of {kw} rows x {t.num_warps} warps neither hold nor fit in groups of {group}"
     return None
 
 
@@ -217,9 +228,11 @@ def _kernel(x_ref, q_ref, s_ref, *refs, bits: int, rows: int, group: int, warps:
     slots = len(fields[0])
     offset = 1 << (bits - 1)
     per_channel = group == 0
-    # Rows between applications of a scale: a group; per channel, the largest power of two
-    # up to 256 that divides a run (x's sum over them is one vector load).
-    fold = math.gcd(kw, 256) if per_channel else group
+    # Rows between applications of a scale: a group (or the run, where a split lies within one
+    # group); per channel, the largest power of two up to 256 that divides a run (x's sum over
+    # them is one vector load).
+    fold = math.gcd(kw, 256) if per_channel else min(group, kw)
+    one_row = per_channel or kw < group  # one scale row for the whole split
     # The columns of slot j: byte c's slot j is column c * slots + j.
     cols = [pl.ds(j, nb, stride=slots) if slots > 1 else slice(None) for j in range(slots)]
     byte = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1) % 4  # position in its word
@@ -266,8 +279,8 @@ def _kernel(x_ref, q_ref, s_ref, *refs, bits: int, rows: int, group: int, warps:
             jnp.sum(x_ref[pl.ds(r, 1), :, pl.ds(k0, fold)].astype(f32), axis=2).reshape(warps, 1)
             for r in range(rows)
         ]
-        # Each run's scale row: its group (per channel: the one row).
-        srows = pl.ds(0, 1) if per_channel else pl.ds(f, warps, stride=kw // group)
+        # Each run's scale row: its group (the split's one row: per channel, or within a group).
+        srows = pl.ds(0, 1) if one_row else pl.ds(f, warps, stride=kw // group)
         s = _per_slot(s_ref[srows, :], slots, scale_dtype)
         if zero:
             zz = [v + offset for v in _per_slot(z_ref[srows, :], slots, scale_dtype)]
@@ -313,7 +326,7 @@ def quantized_gemv(
     else:
         qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
     n_bytes = qvalue.shape[1]
-    t = tiling or default_tiling(k, n_bytes, group)
+    t = tiling or default_tiling(k, n_bytes, group, bits=bits)
     reason = tiling_unsupported_reason(t, k, n_bytes, group)
     if reason is not None:
         raise ValueError(f"quantized_gemv: {reason}")
@@ -329,11 +342,12 @@ def quantized_gemv(
             jax.lax.bitcast_convert_type(v.reshape(v.shape[0], n // 2, 2), jnp.uint32)
             for v in per_group
         ]
-    sspec = (
-        pl.BlockSpec((1, nb), lambda j, s: (0, j))
-        if per_channel
-        else pl.BlockSpec((ks // group, nb), lambda j, s: (s, j))
-    )
+    if per_channel:
+        sspec = pl.BlockSpec((1, nb), lambda j, s: (0, j))
+    elif ks < group:  # a split within one group: that group's row
+        sspec = pl.BlockSpec((1, nb), lambda j, s: (s * ks // group, j))
+    else:
+        sspec = pl.BlockSpec((ks // group, nb), lambda j, s: (s, j))
     kernel = functools.partial(
         _kernel, bits=bits, rows=m, group=0 if per_channel else group, warps=t.num_warps,
         rows_per_step=t.rows_per_step, zero=zero, scale_dtype=scale.dtype, interpret=interpret,
