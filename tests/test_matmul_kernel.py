@@ -130,24 +130,29 @@ GEMV_CASES = {
     "int4 groups of 32, split K, 2 warps": (1, 256, 256, ("quantize", 4, 32), TWO_WARPS),
     "int4 groups of 128, two rows": (2, 512, 512, ("quantize", 4, 128), None),
     "int4 per channel with zero": (1, 256, 256, ("quantize", 4, 256), None),
+    "int4 groups of 16, float16 x": (2, 128, 256, ("quantize", 4, 16), None),
     "int8 per channel, K = 576": (2, 576, 128, ("quantize", 8, None), None),
     "Q8_0 blocks": (1, 128, 256, ("gguf", jnp.int8, False), gemv.Tiling(8, num_warps=2)),
     "Q4_0 blocks": (2, 128, 256, ("gguf", jnp.int4, False), None),
     "Q4_1 blocks, float16": (1, 128, 1024, ("gguf", jnp.int4, True), None),
+}
+GEMV_DTYPES = {  # (x, scales) where not bfloat16
+    "int4 groups of 16, float16 x": (jnp.float16, jnp.bfloat16),
+    "Q4_1 blocks, float16": (jnp.float16, jnp.float16),
 }
 
 
 def gemv_case(case):
     m, k, n, (how, a, b), tiling = GEMV_CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
-    dtype = jnp.float16 if "float16" in case else jnp.bfloat16
+    xdtype, dtype = GEMV_DTYPES.get(case, (jnp.bfloat16, jnp.bfloat16))
     if how == "quantize":
         w = quantize_matrix(jnp.asarray(rng.normal(0, 0.05, (k, n)), dtype), bits=a,
                             group_size=b or k)  # fmt: skip
     else:
         w = gguf_like(rng, k, n, a, zero=b)
         w = jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.bfloat16 else v, w)
-    x = jnp.asarray(rng.normal(0, 1, (m, k)), dtype)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), xdtype)
     return x, w, tiling
 
 
