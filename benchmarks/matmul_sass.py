@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import re
 import sys
 import tempfile
@@ -49,7 +50,9 @@ CONFIGS = [("gemv", m, name) for m in (1, 2) for name in FORMATS] + [
 def triton_ir(fn, args) -> str:
     """The Triton module of the one Pallas kernel `fn(*args)` lowers to, as text."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
+    from kivi_jax.pallas_kernels.decode_attention import triton_stages
 
+    triton_stages.install()  # first, so that the module carries its loop's stages
     captured = []
     original = lowering.lower_jaxpr_to_triton_module
 
@@ -71,7 +74,7 @@ def triton_ir(fn, args) -> str:
 
 def loops(sass: str) -> list[list[str]]:
     """Each loop (a backward branch and what it jumps over) as its instructions, predicates
-    stripped."""
+    kept (a forward branch's target is found by `branch_body`)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
@@ -82,8 +85,24 @@ def loops(sass: str) -> list[list[str]]:
         m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             start = int(m.group(1), 16)
-            out.append([re.sub(r"^@!?U?P\w+\s+", "", t) for a, t in ins if start <= a <= addr])
+            out.append([(a, t) for a, t in ins if start <= a <= addr])
     return out
+
+
+def branch_body(loop: list) -> int:
+    """Instructions of the loop's largest forward-skipped region (the small-M kernel's fold,
+    run once every few loop steps); 0 where it has none."""
+    end = loop[-1][0]
+    spans = [
+        sum(1 for a, _ in loop if addr < a < int(m.group(1), 16))
+        for addr, text in loop
+        if (m := re.search(r"BRA\s+0x([0-9a-f]+)", text)) and addr < int(m.group(1), 16) <= end
+    ]
+    return max(spans, default=0)
+
+
+def strip(loop: list) -> list[str]:
+    return [re.sub(r"^@!?U?P\w+\s+", "", t) for _, t in loop]
 
 
 def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
@@ -95,11 +114,11 @@ def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
     if kernel == "gemv":
         t = gemv.default_tiling(K, N * bits // 8, group)
         fn = lambda x, q, s, *z: gemv.quantized_gemv(x, q, s, *z, tiling=t)
-        warps, stages = t.num_warps, 1
+        warps, stages = t.num_warps, t.stages
         codes_row = t.bytes_per_thread * 8 // bits  # a thread's codes of a weight row
-        rows_iter, fold = t.rows_per_step, min(group, K // (t.splits * t.num_warps))
-        if group == K:  # per channel: folds of a power of two up to 256 rows
-            fold = 0
+        kw = K // (t.splits * t.num_warps)  # a warp's run
+        rows_iter = t.rows_per_step
+        fold = math.gcd(kw, 256) if group == K else min(group, kw)  # rows between folds
     else:
         t = gpu.default_tiling(K, N, group)
         fn = lambda x, q, s, *z: gpu.quantized_matmul(x, q, s, *z, tiling=t)
@@ -111,8 +130,10 @@ def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
     info, sass = compile_sass(module, warps, stages, workdir)
     found = loops(sass)
     inner = min(found, key=len)
-    outer = [lp for lp in found if lp is not inner and len(lp) > len(inner)]
     per_iter = rows_iter * codes_row
+    fold_len = branch_body(inner) if kernel == "gemv" else 0
+    per_fold = (fold or rows_iter) // rows_iter  # loop steps between folds
+    steady = len(inner) - fold_len  # the instructions of a step without the fold
     row = {
         "kernel": kernel,
         "rows": m,
@@ -120,14 +141,13 @@ def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
         "tiling": str(t),
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": int(s.group(1)) if (s := re.search(r"(\d+) bytes spill", info)) else 0,
-        "loop_instructions": len(inner),
-        "per_code": len(inner) / per_iter,
-        "top": collections.Counter(opcode(x) for x in inner).most_common(8),
+        "loop_instructions": steady,
+        "per_code": steady / per_iter,
+        "fold_instructions": fold_len,
+        "steps_a_fold": per_fold,
+        "per_code_with_fold": (steady + fold_len / per_fold) / per_iter,
+        "top": collections.Counter(opcode(x) for x in strip(inner)).most_common(8),
     }
-    if fold and outer and fold > rows_iter:
-        extra = len(min(outer, key=len)) - len(inner)
-        row["fold_instructions"] = extra
-        row["per_code_with_fold"] = (len(inner) * fold / rows_iter + extra) / (fold * codes_row)
     return row
 
 
@@ -147,17 +167,19 @@ def main(argv=None):
         "",
         "Built by benchmarks/matmul_sass.py (jax lowering -> Triton -> ptxas, no GPU needed).",
         "per code = the innermost loop's instructions / the codes a thread handles an iteration;",
-        "with fold: the per-group scale work spread over the group's codes (where a warp's run",
-        "holds more than one group).",
+        "the small-M kernel's loop also holds its fold (scales and zero points applied, in a",
+        "branch taken once every `steps` iterations): per code counts the loop without it, with",
+        "fold adds its instructions / steps.",
         "",
-        "| kernel | rows | format | tiling | registers | spill | per code | with fold | top |",
-        "|---|---:|---|---|---:|---:|---:|---:|---|",
+        "| kernel | rows | format | tiling | registers | spill | per code | fold (steps) "
+        "| with fold | top |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        fold = r.get("per_code_with_fold")
         lines.append(
             f"| {r['kernel']} | {r['rows']} | {r['format']} | {r['tiling']} | {r['registers']} "
-            f"| {r['spill_bytes']} | {r['per_code']:.2f} | {f'{fold:.2f}' if fold else '-'} "
+            f"| {r['spill_bytes']} | {r['per_code']:.2f} "
+            f"| {r['fold_instructions']} ({r['steps_a_fold']}) | {r['per_code_with_fold']:.2f} "
             f"| {', '.join(f'{o} {c}' for o, c in r['top'])} |"
         )
     args.out.write_text("\n".join(lines) + "\n")

@@ -25,12 +25,16 @@ sum of x, and the scale applied. A code costs 1.125 (int4) or 1.25 (int8) intege
 instructions plus one FMA per row, against ~5.5 for the tensor-core kernel (gpu.py) whose
 operands must be gathered into the mma layout; docs/performance.md counts the compiled loop.
 
-x must be finite with |x| < 2^(128 - A) = 2^64 (x * 2^A is a float32); entries below
-2^(23 - A) = 2^-41 in magnitude give products below float32's normal range, each then off by
-less than 2^(-126 - A) in x's units.
+x must be finite with |x| < 2^(128 - A) = 2^64 (x * 2^A is a float32). Entries below
+2^(23 - A) = 2^-41 in magnitude give products below float32's normal range; while a running
+sum is that small it is rounded to multiples of 2^-149, at most 2^(-1 - A) = 2^-65 of y's
+units an addition.
 
 Grid: (N bytes / block bytes, splits); each split writes float32 partial sums [splits, M, N]
-that XLA adds. Interpreted (the CPU flushes subnormals to zero), the program is the same but
+that XLA adds. A warp's loop runs over its rows 8 at a time (their bytes pipelined through
+shared memory by cp.async) and applies the scales in a branch at the end of each group.
+
+Interpreted (the CPU flushes subnormals to zero), the program is the same but
 for the codes, which are made (q + o) * 2^(pos - 149 + LIFT) by ordinary conversions; the bit
 patterns of the PTX are checked against numpy's float32 in tests/test_matmul_kernel.py.
 """
@@ -45,10 +49,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from kivi_jax.pallas_kernels.decode_attention import triton_stages
 
 # The most rows the kernel takes: each row adds one FMA a code; at 3 rows the compiled loop
-# (4.65 instructions a code, 193 registers a thread) is 15% under the tensor-core kernel's 5.5
-# at a third of the occupancy, at 4 (5.74) over it (docs/performance.md; untimed).
+# (5.1 instructions a code with its fold, 255 registers a thread) is the tensor-core kernel's
+# 5.5 at a fraction of the occupancy, at 4 it spills (docs/performance.md).
 MAX_ROWS = 2
 # x is scaled by 2^A so that x * (q + o) * 2^(pos - 149) is a normal float32.
 A = 64
@@ -86,12 +91,16 @@ class Tiling:
     """A program: 32 x `bytes_per_thread` bytes of columns (a thread's 4, 8 or 16 consecutive
     bytes of a row: one vector load) over one of `splits` runs of K, shared by `num_warps`
     warps, each reading its own run of K / (splits x num_warps) rows (the warps' sums are added
-    at the end); `rows_per_step` rows unrolled per loop step."""
+    at the end); `rows_per_step` rows unrolled per loop step, their bytes copied `stages` - 1
+    steps ahead into shared memory (cp.async, Triton's pipeliner asked for by
+    `triton_stages`): without it ptxas issues each row's load about one row's work before
+    its use, ~1 KB in flight a warp."""
 
     bytes_per_thread: int = 16
     num_warps: int = 4
     splits: int = 1
     rows_per_step: int = 8
+    stages: int = 3
 
     def block_bytes(self) -> int:
         return self.bytes_per_thread * 32
@@ -265,16 +274,8 @@ def _kernel(x_ref, q_ref, s_ref, *refs, bits: int, rows: int, group: int, warps:
             tuple(fma(xa[r], codes[j], chunk[r][j]) for j in range(slots)) for r in range(rows)
         )
 
-    def fold_body(f, acc):  # acc: [rows][slots] x [warps, nb] float32, x's units
+    def apply_scale(f, acc, chunk):  # fold f's chunk into acc ([rows][slots] x [warps, nb])
         k0 = f * fold
-
-        def step(i, chunk):
-            for r in range(rows_per_step):
-                chunk = row(k0 + i * rows_per_step + r, chunk)
-            return chunk
-
-        zeros = tuple(tuple(jnp.zeros((warps, nb), f32) for _ in range(slots)) for _ in range(rows))
-        chunk = jax.lax.fori_loop(0, fold // rows_per_step, step, zeros)
         xsum = [  # [warps, 1]: each run's sum of x over the fold's rows
             jnp.sum(x_ref[pl.ds(r, 1), :, pl.ds(k0, fold)].astype(f32), axis=2).reshape(warps, 1)
             for r in range(rows)
@@ -294,7 +295,19 @@ def _kernel(x_ref, q_ref, s_ref, *refs, bits: int, rows: int, group: int, warps:
         )
 
     zeros = tuple(tuple(jnp.zeros((warps, nb), f32) for _ in range(slots)) for _ in range(rows))
-    acc = jax.lax.fori_loop(0, kw // fold, fold_body, zeros)
+    per_fold = fold // rows_per_step  # loop steps a fold
+
+    def step(i, carry):  # one loop over the run (for Triton's pipeliner), folding in a branch
+        acc, chunk = carry
+        for r in range(rows_per_step):
+            chunk = row(i * rows_per_step + r, chunk)
+        fold_now = lambda: (apply_scale(i // per_fold, acc, chunk), zeros)
+        if per_fold == 1:
+            return fold_now()
+        last = jax.lax.rem(i + 1, jnp.int32(per_fold)) == 0
+        return jax.lax.cond(last, fold_now, lambda: (acc, chunk))
+
+    acc, _ = jax.lax.fori_loop(0, kw // rows_per_step, step, (zeros, zeros))
     for r in range(rows):
         for j in range(slots):
             o_ref[pl.ds(r, 1), cols[j]] = jnp.sum(acc[r][j], axis=0)[None]
@@ -335,6 +348,7 @@ def quantized_gemv(
     kw = ks // t.num_warps  # rows of a warp's run
     per_channel = group == k
     bn = nb * 8 // bits  # columns of a program
+    stages = t.stages if t.stages > 1 and (interpret or triton_stages.install()) else 1
     zero = zero_point is not None
     per_group = [scale] + ([zero_point] if zero else [])
     if bits == 4:  # [K / g, N] 16-bit -> [K / g, N / 2] uint32: a byte's two columns together
@@ -362,8 +376,10 @@ def quantized_gemv(
         + [sspec] * len(per_group),
         out_specs=pl.BlockSpec((None, m, bn), lambda j, s: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((t.splits, m, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=stages),
         interpret=interpret,
-        name="quantized_gemv",
+        name="quantized_gemv"
+        if stages == 1
+        else triton_stages.staged_name("quantized_gemv", stages),
     )(x.reshape(m, t.splits * t.num_warps, kw), qvalue, *per_group)
     return partial.sum(axis=0)
