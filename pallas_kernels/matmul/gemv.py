@@ -108,24 +108,27 @@ class Tiling:
 
 def default_tiling(k: int, n_bytes: int, group: int, *, bits: int = 4, sms: int = 132) -> Tiling:
     """4 warps a program (fewer where K is short) and the fewest K splits that give 4 x sms
-    warps (each with 8 rows x 512 bytes in flight: 2 MB in all, the read bandwidth times ~0.7
-    us of latency), at 16 bytes a thread (the shortest loop: docs/performance.md), or 8 or 4
-    where 16 would need float32 partial sums (written and read: 8 bytes a split and column)
-    of more than 1/8 of the weight's bytes; of tilings all over that, the one with the fewest
-    partial sums. Not yet timed (benchmarks/matmul.py --sweep tries others)."""
+    warps (each with two steps of 8 rows x 512 bytes in flight: 4 MB in all, above the read
+    bandwidth times ~0.7 us of latency, 2.2 MB), at 16 bytes a thread (the shortest loop:
+    docs/performance.md), or 8 or 4 where 16 would need float32 partial sums (written and
+    read: 8 bytes a split and column) of more than 1/8 of the weight's bytes; of tilings all
+    over that, the one with the fewest partial sums. Not yet timed (benchmarks/matmul.py
+    --sweep tries others)."""
     cols = n_bytes * 8 // bits
     options = []
     for per_thread in (16, 8, 4):
         if n_bytes % (per_thread * 32):
             continue
         blocks = n_bytes // (per_thread * 32)
-        warps = next(w for w in (4, 2, 1) if k % (w * Tiling.rows_per_step) == 0)
-        fits = [
-            Tiling(bytes_per_thread=per_thread, num_warps=warps, splits=d)
-            for d in range(1, k // (warps * Tiling.rows_per_step) + 1)
-        ]
-        fits = [t for t in fits if tiling_unsupported_reason(t, k, n_bytes, group) is None]
-        t = next((t for t in fits if blocks * t.splits * warps >= 4 * sms), fits[-1])
+        for warps in (4, 2, 1):
+            fits = [
+                Tiling(bytes_per_thread=per_thread, num_warps=warps, splits=d)
+                for d in range(1, k // (warps * Tiling.rows_per_step) + 1)
+            ]
+            fits = [t for t in fits if tiling_unsupported_reason(t, k, n_bytes, group) is None]
+            if fits:
+                break
+        t = next((t for t in fits if blocks * t.splits * t.num_warps >= 4 * sms), fits[-1])
         if 8 * t.splits * cols <= k * n_bytes / 8:
             return t
         options.append(t)
