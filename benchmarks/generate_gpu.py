@@ -714,7 +714,7 @@ def step_split(kernels: dict, weights: str = "bf16") -> dict[str, float]:
     With quantized weights, a separate dequantization kernel (one XLA did not fuse into the
     GEMM: a non-GEMM kernel whose name holds "convert") counts with the matmuls, and is also
     given alone as `dequant` (an upper bound: a norm's convert fusion would count too)."""
-    gemm = lambda n: any(k in n for k in ("gemm", "nvjet", "cublas", "splitK", "quantized_matmul"))
+    gemm = lambda n: any(k in n for k in ("gemm", "nvjet", "cublas", "splitK", "quantized_"))
     kind = lambda n: (
         "matmuls" if gemm(n)
         else "dequant" if weights != "bf16" and "convert" in n

@@ -1,12 +1,13 @@
-"""Decode matmuls with quantized weights on one GPU: the fused kernel
-(pallas_kernels/matmul/gpu.py) against XLA's dequantize-then-dot (kivi_jax.weights' reference)
-and the bf16 weight's dot, on the linear layers of the Llama-3-8B shape at decode batch sizes.
+"""Decode matmuls with quantized weights on one GPU: the fused kernels (the tensor-core
+pallas_kernels/matmul/gpu.py; at 1-2 rows also the small-M gemv.py) against XLA's
+dequantize-then-dot (kivi_jax.weights' reference) and the bf16 weight's dot, on the linear
+layers of the Llama-3-8B shape at decode batch sizes.
 
 Per row: GPU time (a CUPTI trace, entries timed round-robin, medians; rows of one call only),
 the byte floor (the weight's stored bytes, scales and zero points included, over the read
 bandwidth measured in the same call) and the percent of it, and the kernels of one run. With
-`--sweep` each kernel row also tries the tilings of TILINGS and reports the best beside the
-default's.
+`--sweep` each kernel row also tries the tilings of TILINGS (the small-M kernel's rows: those of
+gemv_tilings) and reports the best beside the default's.
 
     python benchmarks/matmul.py --out DIR [--batches 1 16 64] [--sweep 16] [--formats int8 ...]
     python benchmarks/matmul.py --smoke --out DIR    # CPU: small shapes, interpreted kernel
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kivi_jax.pallas_kernels.matmul import gemv
 from kivi_jax.pallas_kernels.matmul.gpu import Tiling, default_tiling, quantized_matmul, row_step
 from timing import interleaved, kernel_totals, measure_read_bandwidth, traced_by_entry
 
@@ -39,6 +41,23 @@ TILINGS = tuple(
     for s in (1, 2, 4, 8)
     for w, st in ((4, 3), (8, 5))
 )
+
+
+def gemv_tilings(k: int, n_bytes: int, group: int) -> list:
+    """The small-M kernel's sweep: at 16, 8 and 4 bytes a thread, the fewest K splits that
+    give 2, 4 and 8 warps an SM (132 SMs)."""
+    out = []
+    for per_thread in (16, 8, 4):
+        if n_bytes % (per_thread * 32):
+            continue
+        blocks = n_bytes // (per_thread * 32)
+        fits = [gemv.Tiling(per_thread, num_warps=4, splits=d) for d in range(1, k // 32 + 1)]
+        fits = [t for t in fits if gemv.tiling_unsupported_reason(t, k, n_bytes, group) is None]
+        for per_sm in (2, 4, 8):
+            t = next((t for t in fits if blocks * t.splits * 4 >= per_sm * 132), None)
+            if t is not None and t not in out:
+                out.append(t)
+    return out
 
 
 def stored_bytes(w) -> int:
@@ -87,6 +106,13 @@ def main(argv=None) -> None:
             )
         )
 
+    def small(t=None):
+        return jax.jit(
+            lambda x, w: gemv.quantized_gemv(
+                x, w.qvalue, w.scale, w.zero_point, tiling=t, interpret=not gpu
+            )
+        )
+
     xla = jax.jit(lambda x, w: x @ dequantize(w).astype(x.dtype))
     rows = []
     for name, (k, n) in shapes.items():
@@ -102,6 +128,12 @@ def main(argv=None) -> None:
                 weights[fmt] = w
                 runs[(fmt, "xla", None)] = (xla, (x, w))
                 runs[(fmt, "kernel", None)] = (kernel(), (x, w))
+                if gemv.unsupported_reason(b, k, n, w.group, w.qvalue.dtype, x.dtype,
+                                           w.scale.dtype) is None:  # fmt: skip
+                    runs[(fmt, "gemv", None)] = (small(), (x, w))
+                    if gpu and b in (args.sweep or ()):
+                        for t in gemv_tilings(k, n * bits // 8, w.group):
+                            runs[(fmt, "gemv", t)] = (small(t), (x, w))
                 if gpu and b in (args.sweep or ()):
                     for t in TILINGS:
                         if k % (t.splits * row_step(k, w.group, t.block_k)) == 0:
@@ -129,14 +161,17 @@ def main(argv=None) -> None:
                 if (fmt, impl, None) in traced:
                     kt = kernel_totals(traced[(fmt, impl, None)][0])
                     row["kernels"] = {nm[:60]: [c, s * 1e6] for nm, (c, s) in kt.items()}
+                if impl == "gemv":
+                    bits = storage_bits(w.qvalue)
+                    row["tiling"] = str(gemv.default_tiling(k, n * bits // 8, w.group, bits=bits))
                 if impl == "kernel":
                     row["tiling"] = str(default_tiling(k, n, w.group))
-                    swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
-                             if (f, i) == (fmt, impl) and t is not None
-                             and isinstance(times.get((f, i, t)), float)}  # fmt: skip
-                    if swept:
-                        best = min(swept, key=swept.get)
-                        row |= dict(best_us=swept[best] * 1e6, best_tiling=str(best))
+                swept = {t: times[(fmt, impl, t)] for (f, i, t) in runs
+                         if (f, i) == (fmt, impl) and t is not None
+                         and isinstance(times.get((f, i, t)), float)}  # fmt: skip
+                if swept:
+                    best = min(swept, key=swept.get)
+                    row |= dict(best_us=swept[best] * 1e6, best_tiling=str(best))
                 rows.append(row)
                 print(f"{name:8s} b{b:<3d} {fmt:10s} {impl:6s} "
                       f"{row['us'] or 0:8.1f} us floor {row['floor_us']:6.1f} "
@@ -163,8 +198,8 @@ def markdown(result: dict) -> str:
         "weight's stored bytes (scales and zero points included) over the read bandwidth.",
         "",
         "| layer [in, out] | batch | format | XLA dequant + dot µs | kernel µs | kernel % of floor "
-        "| bf16 dot µs | kernel vs bf16 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| small-M kernel µs (% of floor) | bf16 dot µs | best kernel vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     get = lambda r, fmt, impl: next(
         (x for x in result["rows"] if (x["shape"], x["batch"], x["format"], x["impl"])
@@ -174,14 +209,17 @@ def markdown(result: dict) -> str:
         if r["impl"] != "kernel" or "error" in r:
             continue
         xla, bf16 = get(r, r["format"], "xla"), get(r, "bf16", "dot")
-        ratio = bf16.get("us") / r["us"] if r["us"] and bf16.get("us") else None
+        small = get(r, r["format"], "gemv")
+        best = min((v for v in (r["us"], small.get("us")) if v), default=None)
+        ratio = bf16.get("us") / best if best and bf16.get("us") else None
+        small_cell = f"{small['us']:.1f} ({small['pct_floor']:.0f}%)" if small.get("us") else "-"
         lines.append(
             f"| {r['shape']} [{r['k']}, {r['n']}] | {r['batch']} | {r['format']} "
             f"| {fmt_us(xla.get('us'))} | {fmt_us(r['us'])} "
-            f"| {r['pct_floor']:.0f}% | {fmt_us(bf16.get('us'))} | "
+            f"| {r['pct_floor']:.0f}% | {small_cell} | {fmt_us(bf16.get('us'))} | "
             + (f"{ratio:.2f}x |" if ratio else "- |")
             if r["us"]
-            else f"| {r['shape']} | {r['batch']} | {r['format']} | - | - | - | - | - |"
+            else f"| {r['shape']} | {r['batch']} | {r['format']} | - | - | - | - | - | - |"
         )
     return "\n".join(lines) + "\n"
 

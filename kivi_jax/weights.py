@@ -6,12 +6,12 @@ one per output channel), with the invariant
 
     w ~= (qvalue - zero_point) * scale     (scale and zero point repeated over each group of g rows)
 
-computed in `scale.dtype`, the compute dtype. Its matmul (`dense`) runs the fused GPU kernel
-(pallas_kernels/matmul/gpu.py: codes read as stored, scales applied to partial sums) for a
-decode step on a GPU, and otherwise the reference: the weight dequantized into the dot's
-operand (convert, subtract, multiply, dot), which XLA computes as a separate copy of the weight
-(on the CPU all of a step's matrices at once under its default scheduler, one at a time under
-the memory-first one: docs/weights.md).
+computed in `scale.dtype`, the compute dtype. Its matmul (`dense`) runs a fused GPU kernel
+(codes read as stored, scales applied to partial sums: pallas_kernels/matmul/gemv.py for 1-2
+rows, gpu.py for up to 64) for a decode step on a GPU, and otherwise the reference: the weight
+dequantized into the dot's operand (convert, subtract, multiply, dot), which XLA computes as a
+separate copy of the weight (on the CPU all of a step's matrices at once under its default
+scheduler, one at a time under the memory-first one: docs/weights.md).
 
 Formats (`quantize_weights`):
   int8   symmetric, one scale per output channel: q = round(w / s), s = max|w| / 127 per column.
@@ -143,29 +143,43 @@ def dequantize(w: QuantizedWeight | jax.Array) -> jax.Array:
 
 
 def fused_unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
-    """Why `dense(x, w)` does not run the fused GPU kernel (pallas_kernels/matmul/gpu.py); None
-    where it does: on a GPU, at most 64 rows (a decode step's batch; a prefill of that few
-    tokens too), bf16 / f16 activations, int8 / int4 codes, N a multiple of 64, row groups a
-    power of two in [16, 128] or one per column. The kernel applies scales to exact integer
-    products where the reference rounds each dequantized weight to the compute dtype, so the
-    two paths differ by that rounding (one batch can take one path and another the other)."""
+    """Why `dense(x, w)` runs neither fused GPU kernel; None where one runs: on a GPU, 1-2 rows
+    through the small-M kernel (pallas_kernels/matmul/gemv.py: no tensor cores, no padding;
+    16-bit scales, N a multiple of 256 int4 / 128 int8 columns, row groups a power of two >= 8
+    or one per column), else at most 64 rows (a decode step's batch; a prefill of that few
+    tokens too) through the tensor-core kernel (pallas_kernels/matmul/gpu.py: bf16 / f16
+    activations, int8 / int4 codes, N a multiple of 64, row groups a power of two in [16, 128]
+    or one per column). The kernels apply scales to exact integer products where the reference
+    rounds each dequantized weight to the compute dtype, so the paths differ by that rounding
+    (one batch can take one path and another the other)."""
     if jax.default_backend() != "gpu":
         return f"the fused kernel needs a GPU (backend here: {jax.default_backend()})"
     from kivi_jax.pallas_kernels.matmul.gpu import unsupported_reason
 
+    if _small_rows_reason(x, w) is None:
+        return None
+    return unsupported_reason(math.prod(x.shape[:-1]), *w.shape, w.group, w.qvalue.dtype, x.dtype)
+
+
+def _small_rows_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
+    """Why the small-M kernel does not take x @ w (pallas_kernels/matmul/gemv.py)."""
+    from kivi_jax.pallas_kernels.matmul import gemv
+
     rows = math.prod(x.shape[:-1])
-    return unsupported_reason(rows, *w.shape, w.group, w.qvalue.dtype, x.dtype)
+    return gemv.unsupported_reason(rows, *w.shape, w.group, w.qvalue.dtype, x.dtype, w.scale.dtype)
 
 
 def dense(x: jax.Array, w: QuantizedWeight | jax.Array, preferred_element_type=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x's dtype (float32 with
-    preferred_element_type=float32). A quantized w is read as stored by the fused kernel where
-    it applies (`fused_unsupported_reason`: a decode step on a GPU), else dequantized into the
-    dot's operand (the reference)."""
+    preferred_element_type=float32). A quantized w is read as stored by a fused kernel where
+    one applies (`fused_unsupported_reason`: a decode step on a GPU), else dequantized into
+    the dot's operand (the reference)."""
     if isinstance(w, QuantizedWeight) and fused_unsupported_reason(x, w) is None:
+        from kivi_jax.pallas_kernels.matmul.gemv import quantized_gemv
         from kivi_jax.pallas_kernels.matmul.gpu import quantized_matmul
 
-        y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.qvalue, w.scale, w.zero_point)
+        kernel = quantized_gemv if _small_rows_reason(x, w) is None else quantized_matmul
+        y = kernel(x.reshape(-1, x.shape[-1]), w.qvalue, w.scale, w.zero_point)
         return y.reshape(*x.shape[:-1], w.shape[1]).astype(preferred_element_type or x.dtype)
     if isinstance(w, QuantizedWeight):
         w = dequantize(w).astype(x.dtype)

@@ -227,11 +227,12 @@ def test_decode_step_scratch_is_one_matrix_on_the_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch, kernel", [(8, "quantized_matmul"), (1, "quantized_gemv")])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_decode_step_reads_the_quantized_weights_in_the_kernel_on_the_gpu(bits):
-    """No full-precision copy of a weight per step: every linear layer runs the fused kernel
-    (pallas_kernels/matmul), the compiled step's scratch is far below its smallest dequantized
-    matrix, and no fusion outputs a bf16 weight."""
+def test_decode_step_reads_the_quantized_weights_in_the_kernel_on_the_gpu(bits, batch, kernel):
+    """No full-precision copy of a weight per step: every linear layer runs a fused kernel
+    (pallas_kernels/matmul: the small-M one at batch 1), the compiled step's scratch is far
+    below its smallest dequantized matrix, and no fusion outputs a bf16 weight."""
     import re
 
     from kivi_jax.models.config import LlamaConfig
@@ -243,17 +244,17 @@ def test_decode_step_reads_the_quantized_weights_in_the_kernel_on_the_gpu(bits):
                     tie_embeddings=False, max_context=512)  # fmt: skip
     params = quantize_weights(llama.init_params(c, jax.random.key(0), jnp.bfloat16), bits=bits)
     caches = kivi_jax.init_cache(
-        kivi_jax.KIVI2, batch=8, max_len=512, num_kv_heads=4, head_dim=128,
+        kivi_jax.KIVI2, batch=batch, max_len=512, num_kv_heads=4, head_dim=128,
         dtype=jnp.bfloat16, num_layers=2,
     )  # fmt: skip
-    zeros = jnp.zeros((8,), jnp.int32)
+    zeros = jnp.zeros((batch,), jnp.int32)
     compiled = jax.jit(llama.decode_step).lower(params, zeros, zeros, caches).compile()
     smallest = 2048 * 2048 * 2  # wo [N*D, d] in bfloat16
     assert compiled.memory_analysis().temp_size_in_bytes < smallest / 4
     shapes = {f"bf16[{a},{b}]" for a, b in [(2048, 3072), (2048, 2048), (2048, 16384),
                                              (8192, 2048), (2048, 4096)]}  # fmt: skip
     text = compiled.as_text()
-    assert text.count("quantized_matmul") >= 2 * 4 + 1  # 4 linear layers a block + lm_head
+    assert text.count(kernel) >= 2 * 4 + 1  # 4 linear layers a block + lm_head
     entry = text.split("\nENTRY", 1)[1]
     for line in entry.splitlines():
         m = re.match(r"\s*%\S+ = (bf16\[[0-9,]+\])", line)
