@@ -4,15 +4,17 @@ The score kernel writes the base-2 logits of the quantized keys, [B, H, slots, C
 program's maximum; the value kernel reads those logits for every token whose key the cache
 reads quantized (`kivi_jax.cache`, module doc: t < Qk), and the residual ring for the rest.
 A mixed state (`MixedState`: sinks, sliding keys, fine key channels, heavy tokens) changes what
-some tokens read; here XLA edits the logits between the two kernels, and adds the
-full-precision entries as one more partial softmax, so that the kernels run unchanged:
+some tokens read: the score kernels add the fine channels; XLA edits the logits between the
+two kernels for the rest, and adds the full-precision entries as one more partial softmax:
 
 * Fine key channels: a fine channel's key is hi * k_scale + k_zero + lo * k_scale / 2^b
-  (b = k_bits); the kernel computes the first part from the codes it reads, so the logit
-  gains sum_f q_f k_scale_f lo_tf / 2^b over the group's F fine channels: a second, small
-  dot product per key group (`fine_correction`). The score programs' maxima are raised by a
-  bound of that sum (`fine_bound`), so that they stay at or above every logit: the value
-  kernels exponentiate against them (weights <= 1, the tensor-core kernel's f16 operands).
+  (b = k_bits); the score kernels compute the first part from the codes they read and add
+  sum_f w_f lo_tf, w_f = q_f k_scale_f / 2^b, over the group's F fine channels: a second,
+  small dot product per key group on the fine codes, with the weights w precomputed here
+  (`fine_operands`: [B, H, n_rep, NG, F], F padded to a power of two >= 16). The kernels'
+  maxima include it (exact), so the value kernels exponentiate against maxima at or above
+  every logit (weights <= 1, the tensor-core kernel's f16 operands). `fine_correction_reference`
+  is what they add.
 * Sliding keys: keys leave the window with their values, so keys of [Pv, l) are read from
   the ring, Pv = max(l - R, 0). The value kernels take the logits of the tail's tokens below
   the plain Qk = l - l % R from the score kernel; those of [Pv, Qk) are overwritten with the
@@ -33,6 +35,8 @@ underflow to 0; the extras' own partial softmax is unaffected.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import loops
@@ -40,6 +44,16 @@ from kivi_jax.pallas_kernels.decode_attention import loops
 from kivi_jax import quantization
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+class FineChannels(NamedTuple):
+    """What the score kernels read of the fine key channels: codes uint8 [B, H, C // kpb, Fp]
+    (the low b bits, packed along tokens as the key codes are) and weights f32
+    [B, H, n_rep, NG, Fp] (q_f k_scale_f / 2^b of each query head, key group and fine channel);
+    Fp = F, or F padded with zero codes and weights to a power of two >= 16."""
+
+    codes: jax.Array
+    weights: jax.Array
 
 
 def _fine_weights(qs, k_scale, fine_channels, *, k_bits: int):
@@ -52,23 +66,39 @@ def _fine_weights(qs, k_scale, fine_channels, *, k_bits: int):
     return q_at * scale[:, :, None] * (1.0 / (1 << k_bits))
 
 
-def fine_correction(qs, k_scale, fine_codes, fine_channels, *, k_bits: int, group_size: int):
-    """What the fine channels' low codes add to each quantized key's logit: [B, H, n_rep, C]
-    (fine_codes uint8 [B, H, C // kpb, F], the low b bits, packed along tokens)."""
+def fine_operands(qs, k_scale, fine_codes, fine_channels, *, k_bits: int) -> FineChannels:
+    """The fine channels as the score kernels read them (`FineChannels`); a copy of the codes
+    only where F is not already a power of two >= 16 (KIVI2_MIX's 16 is)."""
+    w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
+    F = w.shape[-1]
+    Fp = max(16, 1 << (F - 1).bit_length())
+    if Fp != F:
+        widen = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, Fp - F)])
+        fine_codes, w = widen(fine_codes), widen(w)
+    return FineChannels(fine_codes, w)
+
+
+def fine_last(kernel):
+    """`kernel(*inputs, *outputs, fine=(codes_ref, weights_ref))` (two outputs) as a Pallas
+    kernel whose last two inputs are the fine codes and weights."""
+
+    def run(*refs):
+        *inputs, codes_ref, weights_ref, s_ref, m_ref = refs
+        return kernel(*inputs, s_ref, m_ref, fine=(codes_ref, weights_ref))
+
+    return run
+
+
+def fine_correction_reference(
+    qs, k_scale, fine_codes, fine_channels, *, k_bits: int, group_size: int
+):  # fmt: skip
+    """What the fine channels' low codes add to each quantized key's logit, the score kernels'
+    reference: [B, H, n_rep, C] (fine_codes uint8 [B, H, C // kpb, F])."""
     w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
     B, H, n_rep, NG, F = w.shape
     lo = quantization.unpack_codes(fine_codes, k_bits, axis=2).astype(jnp.float32)
-    lo = lo.reshape(B, H, 1, NG, group_size, F)
-    # A sum over the minor axis F, made in the logits' layout (a dot would put the group axis
-    # first: a transpose of [B, H, n_rep, C] after it).
-    corr = jnp.sum(w[:, :, :, :, None] * lo, axis=-1)  # [B, H, n_rep, NG, G]
-    return corr.reshape(B, H, n_rep, -1)
-
-
-def fine_bound(qs, k_scale, fine_channels, *, k_bits: int):
-    """An upper bound of `fine_correction` over a row's tokens: [B, H, n_rep]."""
-    w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
-    return jnp.max(jnp.sum(jnp.abs(w), axis=-1), axis=-1) * ((1 << k_bits) - 1)
+    lo = lo.reshape(B, H, NG, group_size, F)
+    return jnp.einsum("bhrgf,bhgtf->bhrgt", w, lo, precision=_HI).reshape(B, H, n_rep, -1)
 
 
 def ring_logits(qs, k_residual):
@@ -108,32 +138,22 @@ def extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
 
 
 def edit_logits(
-    qs, scores, block_max, k_scale, k_residual, lengths, side, extras, *, k_bits: int,
-    group_size: int, residual_length: int, sliding_keys: bool,
+    qs, scores, lengths, k_residual, extras, *, residual_length: int, sliding_keys: bool
 ):  # fmt: skip
-    """The score kernel's logits [B, H, slots, C] and maxima [B, H, slots, M] for a mixed state
-    (module doc): fine channels added (maxima raised by their bound), the ring's exact logits
-    in [Pv, Qk) with sliding keys, -inf at the positions of `extras` (`extra_entries`) in use.
-    qs: f32 [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep
-    unused). The fine channels and the ring's logits are selects over the logits by token
-    position (one fused pass over them); the extras' -inf one scatter of their positions."""
+    """The score kernels' logits [B, H, slots, C] for a mixed state (module doc): the ring's
+    exact logits in [Pv, Qk) with sliding keys, -inf at the positions of `extras`
+    (`extra_entries`, or None) in use. qs: f32 [B, H, n_rep, D], the query times q_scale;
+    slots >= n_rep (the slots past n_rep unused). The ring's logits are a select over the
+    logits by token position; the extras' -inf one scatter of their positions."""
     *_, slots, C = scores.shape
     n_rep = qs.shape[2]
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, slots - n_rep)] + [(0, 0)] * (x.ndim - 3))
-    if side.fine_codes is not None:
-        corr = fine_correction(
-            qs, k_scale, side.fine_codes, side.fine_channels, k_bits=k_bits,
-            group_size=group_size,
-        )  # fmt: skip
-        scores = scores + pad(corr)
-        bound = fine_bound(qs, k_scale, side.fine_channels, k_bits=k_bits)
-        block_max = block_max + pad(bound)[..., None]
     if sliding_keys:  # token t in [Pv, Qk) reads ring slot t % R
         t = jnp.arange(C)  # token positions
         R = residual_length
         pv = jnp.maximum(lengths - R, 0)[:, None, None, None]
         qk = (lengths - lengths % R)[:, None, None, None]
-        ring = pad(ring_logits(qs, k_residual))  # [B, H, slots, R]
+        ring = ring_logits(qs, k_residual)  # [B, H, n_rep, R]
+        ring = jnp.pad(ring, [(0, 0), (0, 0), (0, slots - n_rep), (0, 0)])
         by_token = jnp.tile(ring, (1, 1, 1, -(-C // R)))[..., :C]  # [B, H, slots, C]
         scores = jnp.where((t >= pv) & (t < qk), by_token, scores)
     if extras is not None:  # one scatter of B H E entries (a comparison would cost E x C)
@@ -142,7 +162,7 @@ def edit_logits(
         at = jnp.where(used, pos, C)  # C: past the logits, dropped
         b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
         scores = scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
-    return scores, block_max
+    return scores
 
 
 def extras_softmax(qs, extras):
