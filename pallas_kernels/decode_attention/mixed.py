@@ -113,28 +113,25 @@ def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
 
 
 def extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
-    """The full-precision entries that replace quantized ones: (keys, values [B, H, E, D],
-    positions int32 [B, H, E], used bool [B, H, E]), E = sinks + heavy slots; None if the
-    state has no sinks and no heavy tokens."""
-    ks, vs, pos, used = [], [], [], []
-    B = lengths.shape[0]
-    if side.sink_k is not None:
-        _, H, S, _ = side.sink_k.shape
-        qx = _key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
-        t = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
-        ks.append(side.sink_k)
-        vs.append(side.sink_v)
-        pos.append(t)
-        used.append(t < jnp.minimum(lengths, qx)[:, None, None])
-    if side.heavy_pos is not None:
-        ks.append(side.heavy_k)
-        vs.append(side.heavy_v)
-        pos.append(side.heavy_pos)
-        used.append(side.heavy_pos >= 0)
-    if not ks:
+    """The full-precision entries that replace quantized ones, as the state holds them (the
+    extras: S sinks, then N heavy slots): (keys, values [B, H, E, D], positions int32
+    [B, H, E], used bool [B, H, E]), E = S + N; None if the state has no sinks and no heavy
+    tokens."""
+    if side.extra_k is None:
         return None
-    cat = lambda xs: jnp.concatenate(xs, axis=2)
-    return cat(ks), cat(vs), cat(pos), cat(used)
+    B, H, E, _ = side.extra_k.shape
+    S = side.sinks
+    slot = jnp.arange(E, dtype=jnp.int32)
+    pos = jnp.broadcast_to(slot, (B, H, E))  # a sink's position is its slot
+    used = slot < 0
+    if S:
+        qx = _key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
+        used = (slot < S) & (slot < jnp.minimum(lengths, qx)[:, None, None])
+    if side.heavy_pos is not None:
+        heavy_pos = jnp.pad(side.heavy_pos, [(0, 0), (0, 0), (S, 0)])  # [B, H, E]
+        pos = jnp.where(slot < S, pos, heavy_pos)
+        used = used | ((slot >= S) & (heavy_pos >= 0))
+    return side.extra_k, side.extra_v, pos, jnp.broadcast_to(used, (B, H, E))
 
 
 def edit_logits(
