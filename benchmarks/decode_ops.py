@@ -13,7 +13,7 @@ channels, 2 query heads each, 256 tokens, bf16):
 * `cpu`: the XLA a mixed state adds to that step, compiled for the CPU: the score of the token
   leaving the window, between the append and the heavy merge kernels
   (`kivi_jax.cache._leaving_token_score`), and the XLA around the attention kernels (the
-  fine channels' weights, the logits' edits, the extras' softmax:
+  fine channels' weights, the extras' -inf in the logits and their softmax:
   `pallas_kernels/decode_attention/mixed.py`); and, for
   comparison, the XLA append of one token (the path off the GPU, where the fused append does
   not apply): the optimized HLO's fusions, copies and unfused operations. XLA fuses
@@ -141,8 +141,8 @@ def cpu_leaving_score(kv: str) -> collections.Counter | None:
 
 def cpu_around_attention(kv: str) -> collections.Counter | None:
     """A mixed state's XLA around the attention kernels (the fine channels' weights the score
-    kernel reads, the logits edited, the full-precision entries' partial softmax), compiled
-    for the CPU; None for a plain state."""
+    kernel reads, the -inf at the full-precision entries' positions, their partial softmax),
+    compiled for the CPU; None for a plain state."""
     state = _state(kv)
     if state.side is None:
         return None
@@ -152,17 +152,17 @@ def cpu_around_attention(kv: str) -> collections.Counter | None:
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     window = dict(residual_length=cfg.residual_length, sliding_keys=cfg.sliding_keys)
 
-    def edits(qs, scores, state):
+    def edits(scores, qs, state):  # the logits donated, as the score kernel's output is
         side = state.side
         fine = mixed.fine_operands(
             qs, state.k_scale, side.fine_codes, side.fine_channels, k_bits=cfg.k_bits
         )
         extras = mixed.extra_entries(side, state.lengths, **window)
-        scores = mixed.edit_logits(qs, scores, state.lengths, state.k_residual, extras, **window)
+        scores = mixed.mask_extras(scores, extras)
         return fine.weights, scores, mixed.extras_softmax(qs, extras)
 
-    args = (f32(b, h, N_REP, d), f32(b, h, N_REP, c))
-    return _optimized_counts(edits, *args, _abstract(state), donate=False)
+    args = (f32(b, h, N_REP, c), f32(b, h, N_REP, d))
+    return _optimized_counts(edits, *args, _abstract(state), donate=True)
 
 
 def census() -> dict:

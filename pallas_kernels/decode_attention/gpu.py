@@ -624,6 +624,7 @@ def _value_kernel(
     prefetch: int,
     interpret: bool,
     table: pages.RowPages | None = None,
+    sliding_keys: bool = False,
 ):
     """One token split of a row: its share of the residual tail (`residual.tail_share`), then the
     split's tiles of quantized values within [0, Pv), both against one max m: the larger of
@@ -672,6 +673,7 @@ def _value_kernel(
     [(m_tail, o_tail, l_tail)] = residual.tail_share(
         length, [q], kr_ref, vr_ref, lambda h, tok: st_ref[jnp.minimum(tok, C - 1)],
         split=split, splits=splits, slots=tail_slots, prefetch=prefetch,
+        sliding_keys=sliding_keys,
     )  # fmt: skip
     m = jnp.maximum(row_max(), m_tail)
     ot_ref[...] = o_tail * jnp.exp2(m_tail - m)
@@ -861,7 +863,7 @@ def _splits(tuning: GpuTuning, *, n_steps: int, rows: int) -> tuple[int, int]:
 
 def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual,
                     lengths, table=None, *, q_scale, bits, group_size, residual_length, tuning,
-                    interpret):  # fmt: skip
+                    interpret, sliding_keys=False):  # fmt: skip
     """The value kernel: S token splits per row, each a partial softmax over its quantized
     values and its share of the residual tail against its own max (`_value_kernel`).
     q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, P] (`key_scores`,
@@ -874,7 +876,9 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     through L2), except with GQA where `tuning.gqa_values` picks the tensor-core kernel and
     it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split).
     table: None, the values [B, H, C, .]; or int32 [B, Mp], the values a pool of pages
-    [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps, each tile within one page (`pages`)."""
+    [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps, each tile within one page (`pages`).
+    sliding_keys: a mixed state's keys of the tail [Pv, l) are the ring's (the logits of
+    [Pv, Qk) not read: `residual.tail_share`)."""
     tuning = kernel_tuning(tuning)
     B, H, slots, C = scores.shape
     n_rep = q.shape[2]
@@ -896,7 +900,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             table, q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
             tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
             tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
-            prefetch=tuning.prefetch, interpret=interpret,
+            prefetch=tuning.prefetch, interpret=interpret, sliding_keys=sliding_keys,
         )  # fmt: skip
     quads, chain = value_tiles(tuning, capacity=tile_capacity, v_bits=bits)
     step = 4 * quads * chain
@@ -921,6 +925,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         interleave=tuning.value_interleave,
         prefetch=tuning.prefetch,
         interpret=interpret,
+        sliding_keys=sliding_keys,
     )
     if table is None:
         value_specs = [
@@ -1060,8 +1065,9 @@ def kivi_decode_attention_gpu(
 ):
     """Decode attention over a KIVI state with the GPU kernels -> [B, Hq, D]. A mixed state
     (`side`, `sliding_keys`) runs the same kernels, its fine key channels added by the score
-    kernel, its logits edited between the two and its full-precision entries merged as one
-    more split (`mixed`). With a page table the codes,
+    kernel, its tail's keys read from the ring by the value kernel with sliding keys, -inf
+    set at its full-precision entries' positions between the two and those entries merged as
+    one more split (`mixed`). With a page table the codes,
     scales and zero points are pools of pages ([Pp, H, ps / kpb, D], [Pp, H, ps / G, D],
     [Pp, H, ps, .]; kivi_jax.paged, C = Mp * ps), read through the table in the kernels, each
     tile from one page (plain KIVI only: a mixed state's edits read the contiguous state)."""
@@ -1102,12 +1108,12 @@ def kivi_decode_attention_gpu(
         residual_length=R, tuning=tuning, **common,
     )  # fmt: skip
     if side is not None:
-        window = dict(residual_length=R, sliding_keys=sliding_keys)
-        extras = mixed.extra_entries(side, lengths, **window)
-        scores = mixed.edit_logits(qs, scores, lengths, k_residual, extras, **window)
+        extras = mixed.extra_entries(side, lengths, residual_length=R, sliding_keys=sliding_keys)
+        scores = mixed.mask_extras(scores, extras)
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, table,
-        q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
+        q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning,
+        sliding_keys=sliding_keys, **common,
     )  # fmt: skip
     if extras is not None:  # one more split: the full-precision entries (no tail)
         m_e, o_e, l_e = mixed.extras_softmax(qs, extras)

@@ -4,8 +4,9 @@ The score kernel writes the base-2 logits of the quantized keys, [B, H, slots, C
 program's maximum; the value kernel reads those logits for every token whose key the cache
 reads quantized (`kivi_jax.cache`, module doc: t < Qk), and the residual ring for the rest.
 A mixed state (`MixedState`: sinks, sliding keys, fine key channels, heavy tokens) changes what
-some tokens read: the score kernels add the fine channels; XLA edits the logits between the
-two kernels for the rest, and adds the full-precision entries as one more partial softmax:
+some tokens read: the score kernels add the fine channels, the value kernels read the sliding
+keys from the ring; XLA sets the logits of the full-precision entries to -inf between the two
+kernels and adds those entries as one more partial softmax:
 
 * Fine key channels: a fine channel's key is hi * k_scale + k_zero + lo * k_scale / 2^b
   (b = k_bits); the score kernels compute the first part from the codes they read and add
@@ -16,9 +17,9 @@ two kernels for the rest, and adds the full-precision entries as one more partia
   every logit (weights <= 1, the tensor-core kernel's f16 operands). `fine_correction_reference`
   is what they add.
 * Sliding keys: keys leave the window with their values, so keys of [Pv, l) are read from
-  the ring, Pv = max(l - R, 0). The value kernels take the logits of the tail's tokens below
-  the plain Qk = l - l % R from the score kernel; those of [Pv, Qk) are overwritten with the
-  exact logits of the ring's keys (`ring_logits`).
+  the ring, Pv = max(l - R, 0): the value kernels compute every tail token's logit from the
+  ring's key (`residual.tail_share` with sliding_keys), where plain KIVI takes those below
+  Qk = l - l % R from the score kernel.
 * Sinks and heavy tokens: full-precision keys and values of tokens whose logits the kernels
   would otherwise read quantized, t < Qx (Qx: Pv with sliding keys, else Qk): the sinks
   t < min(S, l, Qx) and every heavy slot (heavy tokens have left the value window: t < Pv).
@@ -27,8 +28,9 @@ two kernels for the rest, and adds the full-precision entries as one more partia
   as one more split. Sinks at or past Qx are in the ring, which holds the same key and value:
   the kernels read them there.
 
-The maxima the value kernels use may lie above the logits that remain after masking (a masked
-token's quantized logit was the largest): weights are then exponentiated against a larger
+The maxima the value kernels use may lie above the logits they read (a masked token's
+quantized logit was the largest, or with sliding keys a quantized logit of [Pv, Qk), which
+they read from the ring instead): weights are then exponentiated against a larger
 max, which changes nothing unless the gap passes ~126 (base 2), where float32 weights
 underflow to 0; the extras' own partial softmax is unaffected.
 """
@@ -101,11 +103,6 @@ def fine_correction_reference(
     return jnp.einsum("bhrgf,bhgtf->bhrgt", w, lo, precision=_HI).reshape(B, H, n_rep, -1)
 
 
-def ring_logits(qs, k_residual):
-    """The base-2 logits of the ring's keys: [B, H, n_rep, R] (slot order)."""
-    return jnp.einsum("bhrd,bhsd->bhrs", qs, k_residual.astype(jnp.float32), precision=_HI)
-
-
 def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
     """Qx [B]: the first token whose key the cache reads from the ring."""
     pv = jnp.maximum(lengths - residual_length, 0)
@@ -134,32 +131,18 @@ def extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
     return side.extra_k, side.extra_v, pos, jnp.broadcast_to(used, (B, H, E))
 
 
-def edit_logits(
-    qs, scores, lengths, k_residual, extras, *, residual_length: int, sliding_keys: bool
-):  # fmt: skip
-    """The score kernels' logits [B, H, slots, C] for a mixed state (module doc): the ring's
-    exact logits in [Pv, Qk) with sliding keys, -inf at the positions of `extras`
-    (`extra_entries`, or None) in use. qs: f32 [B, H, n_rep, D], the query times q_scale;
-    slots >= n_rep (the slots past n_rep unused). The ring's logits are a select over the
-    logits by token position; the extras' -inf one scatter of their positions."""
-    *_, slots, C = scores.shape
-    n_rep = qs.shape[2]
-    if sliding_keys:  # token t in [Pv, Qk) reads ring slot t % R
-        t = jnp.arange(C)  # token positions
-        R = residual_length
-        pv = jnp.maximum(lengths - R, 0)[:, None, None, None]
-        qk = (lengths - lengths % R)[:, None, None, None]
-        ring = ring_logits(qs, k_residual)  # [B, H, n_rep, R]
-        ring = jnp.pad(ring, [(0, 0), (0, 0), (0, slots - n_rep), (0, 0)])
-        by_token = jnp.tile(ring, (1, 1, 1, -(-C // R)))[..., :C]  # [B, H, slots, C]
-        scores = jnp.where((t >= pv) & (t < qk), by_token, scores)
-    if extras is not None:  # one scatter of B H E entries (a comparison would cost E x C)
-        _, _, pos, used = extras  # [B, H, E]
-        B, H, _ = pos.shape
-        at = jnp.where(used, pos, C)  # C: past the logits, dropped
-        b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-        scores = scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
-    return scores
+def mask_extras(scores, extras):
+    """The score kernels' logits [B, H, slots, C] with -inf at the positions of `extras`
+    (`extra_entries`, or None) in use: one scatter of B H E entries (a comparison of every
+    position with each would cost E x C a row)."""
+    if extras is None:
+        return scores
+    _, _, pos, used = extras  # [B, H, E]
+    B, H, _ = pos.shape
+    C = scores.shape[3]
+    at = jnp.where(used, pos, C)  # C: past the logits, dropped
+    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    return scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
 
 
 def extras_softmax(qs, extras):
