@@ -125,8 +125,9 @@ def test_mixed_state_full_grid_interpret(
 
 @pytest.mark.parametrize(
     ("kernels", "n_rep", "bits", "F"),
-    [(CC, 1, 2, 16), (CC, 2, 4, 8), (TC, 4, 2, 16), (TC, 3, 4, 8)],
-)  # F = 8: padded to 16 with zero codes and weights (mixed.fine_operands)
+    [(CC, 1, 2, 16), (CC, 1, 4, 16), (CC, 2, 4, 8), (TC, 4, 2, 16), (TC, 3, 4, 8)],
+)  # F = 8: padded to 16 with zero codes and weights (mixed.fine_operands); MHA at 4 bits: the
+# plain loop Triton pipelines (3 stages), at 2 bits the register prefetch
 def test_score_kernels_add_the_fine_channels_interpret(rng, kernels, n_rep, bits, F):
     """Both score kernels on fresh random codes, scales, fine codes and fine channels: their
     logits are the plain kernel's plus `mixed.fine_correction_reference` (the CUDA-core
