@@ -156,12 +156,10 @@ def mix_states(key, s: Shape):
 
         pos = sinks + distinct(ks[5], n, max(c - RESIDUAL - sinks, n), (b, h))
         side = MixedState(
-            sink_k=nrm(ks[0], (b, h, sinks, d)),
-            sink_v=nrm(ks[1], (b, h, sinks, d)),
+            extra_k=nrm(ks[0], (b, h, sinks + n, d)),  # the sinks, then the heavy slots
+            extra_v=nrm(ks[1], (b, h, sinks + n, d)),
             fine_codes=jax.random.bits(ks[2], (b, h, c // 4, f), jnp.uint8),
             fine_channels=distinct(ks[3], f, d, (b, h, c // GROUP)).astype(jnp.uint8),
-            heavy_k=nrm(ks[4], (b, h, n, d)),
-            heavy_v=nrm(ks[6], (b, h, n, d)),
             heavy_pos=pos.astype(jnp.int32),
             heavy_score=jnp.zeros((b, h, n), jnp.float32),
             ring_score=None,

@@ -12,8 +12,9 @@ channels, 2 query heads each, 256 tokens, bf16):
   the Pallas kernels) and lowered for "cuda". Operations by kind, before XLA's fusion.
 * `cpu`: the XLA a mixed state adds to that step, compiled for the CPU: the score of the token
   leaving the window, between the append and the heavy merge kernels
-  (`kivi_jax.cache._leaving_token_score`), and the edits of the logits
-  between the attention kernels (`pallas_kernels/decode_attention/mixed.py`); and, for
+  (`kivi_jax.cache._leaving_token_score`), and the XLA around the attention kernels (the
+  fine channels' weights, the extras' -inf in the logits and their softmax:
+  `pallas_kernels/decode_attention/mixed.py`); and, for
   comparison, the XLA append of one token (the path off the GPU, where the fused append does
   not apply): the optimized HLO's fusions, copies and unfused operations. XLA fuses
   differently on the GPU; the counts compare states.
@@ -138,9 +139,10 @@ def cpu_leaving_score(kv: str) -> collections.Counter | None:
     return _optimized_counts(score, _abstract(state), row, row, rows, rows, donate=False)
 
 
-def cpu_logit_edits(kv: str) -> collections.Counter | None:
-    """A mixed state's XLA between and after the attention kernels (the logits edited, the
-    full-precision entries' partial softmax), compiled for the CPU; None for a plain state."""
+def cpu_around_attention(kv: str) -> collections.Counter | None:
+    """A mixed state's XLA around the attention kernels (the fine channels' weights the score
+    kernel reads, the -inf at the full-precision entries' positions, their partial softmax),
+    compiled for the CPU; None for a plain state."""
     state = _state(kv)
     if state.side is None:
         return None
@@ -150,27 +152,28 @@ def cpu_logit_edits(kv: str) -> collections.Counter | None:
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     window = dict(residual_length=cfg.residual_length, sliding_keys=cfg.sliding_keys)
 
-    def edits(qs, scores, block_max, state):
-        extras = mixed.extra_entries(state.side, state.lengths, **window)
-        scores, block_max = mixed.edit_logits(
-            qs, scores, block_max, state.k_scale, state.k_residual, state.lengths, state.side,
-            extras, k_bits=cfg.k_bits, group_size=cfg.group_size, **window,
-        )  # fmt: skip
-        return scores, block_max, mixed.extras_softmax(qs, extras)
+    def edits(scores, qs, state):  # the logits donated, as the score kernel's output is
+        side = state.side
+        fine = mixed.fine_operands(
+            qs, state.k_scale, side.fine_codes, side.fine_channels, k_bits=cfg.k_bits
+        )
+        extras = mixed.extra_entries(side, state.lengths, **window)
+        scores = mixed.mask_extras(scores, extras)
+        return fine.weights, scores, mixed.extras_softmax(qs, extras)
 
-    args = (f32(b, h, N_REP, d), f32(b, h, N_REP, c), f32(b, h, N_REP, c // cfg.group_size))
-    return _optimized_counts(edits, *args, _abstract(state), donate=False)
+    args = (f32(b, h, N_REP, c), f32(b, h, N_REP, d))
+    return _optimized_counts(edits, *args, _abstract(state), donate=True)
 
 
 def census() -> dict:
-    """{kv: {"step": StableHLO kinds, "cpu_leaving_score": ..., "cpu_logit_edits": ...,
+    """{kv: {"step": StableHLO kinds, "cpu_leaving_score": ..., "cpu_around_attention": ...,
     "cpu_xla_append": ...}}."""
     out = {}
     for kv in KVS:
         step = count_stablehlo(step_stablehlo(kv))
         parts = dict(
             cpu_leaving_score=cpu_leaving_score(kv),
-            cpu_logit_edits=cpu_logit_edits(kv),
+            cpu_around_attention=cpu_around_attention(kv),
             cpu_xla_append=cpu_append(kv),
         )
         out[kv] = dict(step={k: step[k] for k in (*STEP_KINDS, "total")})
@@ -193,7 +196,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {kv} | " + " | ".join(str(r["step"][k]) for k in r["step"]) + " |")
     lines += ["", "Compiled for the CPU (optimized HLO, entry instructions):", ""]
     for kv, r in result.items():
-        for part in ("cpu_leaving_score", "cpu_logit_edits", "cpu_xla_append"):
+        for part in ("cpu_leaving_score", "cpu_around_attention", "cpu_xla_append"):
             if r[part] is not None:
                 ops = ", ".join(f"{n} {k}" for k, n in r[part].items())
                 lines.append(f"- {kv}, {part[4:].replace('_', ' ')}: {ops}")

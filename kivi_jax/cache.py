@@ -35,7 +35,7 @@ their exponents in
     k_ring_exp int8  [B, H, R]                 e of the token in each key ring slot
     v_ring_exp int8  [B, H, R]                 e of the token in each value ring slot
 
-(None for the other formats; a mixed state's sinks and heavy tokens likewise: sink_k_exp, ...);
+(None for the other formats; a mixed state's sinks and heavy tokens likewise: extra_k_exp, ...);
 every token is rounded to it as it enters, and these values are a fixed point of encoding,
 so a token read from the ring and stored again (a heavy token) keeps its value.
 
@@ -64,20 +64,24 @@ Mixed precision (`KiviConfig` with sinks, sliding_keys, fine_key_channels or hea
 KIVI2_MIX; plain configs hold `side=None` and are exactly the layout above). S sinks,
 F fine key channels, N heavy tokens, b = k_bits; `side` (a `MixedState`) holds
 
-    sink_k, sink_v  dtype   [B, H, S, D]       tokens [0, min(l, S)) as they arrived (slot t)
+    extra_k, extra_v dtype  [B, H, S + N, D]   the full-precision extras' keys and values:
+                                               slots [0, S) the sinks, tokens [0, min(l, S))
+                                               as they arrived (slot t); slots [S, S + N) the
+                                               heavy tokens, by position (`sink_k`, `heavy_k`,
+                                               ... read them apart)
     fine_codes      uint8   [B, H, C // kpb, F] low b bits of the fine channels' codes
     fine_channels   uint8   [B, H, C // G, F]   each key group's F fine channels, ascending
-    heavy_k, heavy_v dtype  [B, H, N, D]       the heavy tokens' keys and values, by position
-    heavy_pos       int32   [B, H, N]          their positions, -1 for an empty slot (at the end)
+    heavy_pos       int32   [B, H, N]          the heavy tokens' positions, -1 for an empty
+                                               slot (at the end)
     heavy_score     float32 [B, H, N]          their scores, -inf for an empty slot
     ring_score      float32 [B, H, R]          (selection MASS) mass received so far by the
                                                ring's tokens, token t in slot t % R
 
 (a part whose size is 0 is None). What attention reads for token t of a sequence of length l:
 
-    t < S                      sink_k / sink_v (full precision)
+    t < S                      the sinks (full precision)
     t >= Qk (keys), >= Pv (v)  the rings; with sliding_keys Qk = Pv = max(l - R, 0)
-    t in heavy_pos             heavy_k / heavy_v (full precision)
+    t in heavy_pos             the heavy tokens (full precision)
     otherwise                  the codes
 
 - Sinks: the first key group's scale and zero are taken over its tokens [S, G) (the sinks'
@@ -131,40 +135,53 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
-        "sink_k",
-        "sink_v",
+        "extra_k",
+        "extra_v",
         "fine_codes",
         "fine_channels",
-        "heavy_k",
-        "heavy_v",
         "heavy_pos",
         "heavy_score",
         "ring_score",
-        "sink_k_exp",
-        "sink_v_exp",
-        "heavy_k_exp",
-        "heavy_v_exp",
+        "extra_k_exp",
+        "extra_v_exp",
     ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class MixedState:
     """The mixed-precision side storage of one layer's KiviCache (module doc); parts of size 0
-    are None."""
+    are None. The sinks and the heavy tokens are held in one array each for keys and values
+    (the extras: sinks first), so that attention reads them without joining them."""
 
-    sink_k: jax.Array | None
-    sink_v: jax.Array | None
+    extra_k: jax.Array | None
+    extra_v: jax.Array | None
     fine_codes: jax.Array | None
     fine_channels: jax.Array | None
-    heavy_k: jax.Array | None
-    heavy_v: jax.Array | None
     heavy_pos: jax.Array | None
     heavy_score: jax.Array | None
     ring_score: jax.Array | None
-    sink_k_exp: jax.Array | None = None  # Format.INT8: [B, H, S] int8 exponents
-    sink_v_exp: jax.Array | None = None
-    heavy_k_exp: jax.Array | None = None  # Format.INT8: [B, H, N] int8 exponents
-    heavy_v_exp: jax.Array | None = None
+    extra_k_exp: jax.Array | None = None  # Format.INT8: [B, H, S + N] int8 exponents
+    extra_v_exp: jax.Array | None = None
+
+    @property
+    def sinks(self) -> int:
+        """S, the extras' first slots."""
+        if self.extra_k is None:
+            return 0
+        return self.extra_k.shape[2] - (0 if self.heavy_pos is None else self.heavy_pos.shape[2])
+
+    def sink_part(self, x: jax.Array | None) -> jax.Array | None:
+        """The sinks' slots of an extras array x [B, H, S + N, ...] (None where S = 0)."""
+        return None if x is None or not self.sinks else x[:, :, : self.sinks]
+
+    def heavy_part(self, x: jax.Array | None) -> jax.Array | None:
+        """The heavy slots of an extras array x [B, H, S + N, ...] (None where N = 0)."""
+        return None if x is None or self.heavy_pos is None else x[:, :, self.sinks :]
+
+    sink_k = property(lambda self: self.sink_part(self.extra_k), doc="[B, H, S, D] or None")
+    sink_v = property(lambda self: self.sink_part(self.extra_v), doc="[B, H, S, D] or None")
+    heavy_k = property(lambda self: self.heavy_part(self.extra_k), doc="[B, H, N, D] or None")
+    heavy_v = property(lambda self: self.heavy_part(self.extra_v), doc="[B, H, N, D] or None")
 
 
 # A KiviCache's per-head arrays (its layout: the module doc).
@@ -380,20 +397,17 @@ def _side_shapes(config: KiviConfig, lead, cap: int, head_dim: int, dtype) -> di
     kpb = quantization.codes_per_byte(config.k_bits)
     g, r = config.group_size, config.residual_length
     some = lambda cond, shape, dt: (shape, dt) if cond else None
+    e = s + n  # the extras: the sinks, then the heavy slots
     return dict(
-        sink_k=some(s, (*lead, s, head_dim), dtype),
-        sink_v=some(s, (*lead, s, head_dim), dtype),
+        extra_k=some(e, (*lead, e, head_dim), dtype),
+        extra_v=some(e, (*lead, e, head_dim), dtype),
         fine_codes=some(f, (*lead, cap // kpb, f), jnp.uint8),
         fine_channels=some(f, (*lead, cap // g, f), jnp.uint8),
-        heavy_k=some(n, (*lead, n, head_dim), dtype),
-        heavy_v=some(n, (*lead, n, head_dim), dtype),
         heavy_pos=some(n, (*lead, n), jnp.int32),
         heavy_score=some(n, (*lead, n), jnp.float32),
         ring_score=some(config.needs_queries, (*lead, r), jnp.float32),
-        sink_k_exp=some(s and exp, (*lead, s), jnp.int8),
-        sink_v_exp=some(s and exp, (*lead, s), jnp.int8),
-        heavy_k_exp=some(n and exp, (*lead, n), jnp.int8),
-        heavy_v_exp=some(n and exp, (*lead, n), jnp.int8),
+        extra_k_exp=some(e and exp, (*lead, e), jnp.int8),
+        extra_v_exp=some(e and exp, (*lead, e), jnp.int8),
     )
 
 
@@ -649,7 +663,7 @@ def _append_kernel_applies(cache: KiviCache) -> bool:
 
 
 # The mixed state's parts the append kernel writes (the heavy slots: the heavy merge kernel).
-_APPEND_SIDE_FIELDS = ("sink_k", "sink_v", "fine_codes", "fine_channels")
+_APPEND_SIDE_FIELDS = ("extra_k", "extra_v", "fine_codes", "fine_channels")
 
 
 def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
@@ -668,18 +682,21 @@ def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = 
         out = append_kernel(*arrays, old, fits, k, v, **config)
         return dict(zip(_APPEND_FIELDS, out, strict=True))
     parts = tuple(getattr(side, n) for n in _APPEND_SIDE_FIELDS)
-    *out, k_leave, v_leave = append_kernel(*arrays, old, fits, k, v, parts, **config)
+    *out, k_leave, v_leave = append_kernel(
+        *arrays, old, fits, k, v, parts, sinks=cfg.sinks, **config
+    )
     updated = dict(zip(_APPEND_FIELDS + _APPEND_SIDE_FIELDS, out, strict=True))
     parts = {n: updated.pop(n) for n in _APPEND_SIDE_FIELDS}
     if cfg.heavy_tokens:
         pos, leaving, score = _leaving_token_score(
             cfg, {**updated, **parts}, k_leave, v_leave, old, fits, cache.dtype
         )
-        fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
-        cast = lambda x: x.astype(side.heavy_k.dtype)
+        fields = ("extra_k", "extra_v", "heavy_pos", "heavy_score")
+        cast = lambda x: x.astype(side.extra_k.dtype)
         heavy = heavy_merge_kernel(
-            *(getattr(side, n) for n in fields), leaving.astype(jnp.int32), pos, score,
-            cast(k_leave), cast(v_leave), interpret=interpret,
+            parts["extra_k"], parts["extra_v"], side.heavy_pos, side.heavy_score,
+            leaving.astype(jnp.int32), pos, score, cast(k_leave), cast(v_leave),
+            interpret=interpret,
         )  # fmt: skip
         parts |= dict(zip(fields, heavy, strict=True))
     return updated | dict(side=dataclasses.replace(side, **parts))
@@ -1052,12 +1069,14 @@ def _extend_kivi(
         j = jnp.arange(cfg.sinks) - old[:, None]  # [B, S]
         takes = ((j >= 0) & (j < new[:, None] - old[:, None]))[:, None, :, None]
         at = jnp.clip(j, 0, seq - 1)
-        for name, x in (("sink_k", k), ("sink_v", v)):
-            old_sinks, new_sinks = getattr(side, name), _gather(x, at)
+        for name, x in (("k", k), ("v", v)):
+            extras = f"extra_{name}"
+            old_sinks, new_sinks = side.sink_part(getattr(side, extras)), _gather(x, at)
             if int8:
                 new_sinks, e = quantization.encode_int8_tokens(new_sinks, dtype)
-                parts[f"{name}_exp"] = jnp.where(takes[..., 0], e, getattr(side, f"{name}_exp"))
-            parts[name] = jnp.where(takes, new_sinks.astype(old_sinks.dtype), old_sinks)
+                old_e = side.sink_part(getattr(side, f"{extras}_exp"))
+                parts[f"sink_{name}_exp"] = jnp.where(takes[..., 0], e, old_e)
+            parts[f"sink_{name}"] = jnp.where(takes, new_sinks.astype(old_sinks.dtype), old_sinks)
     if fine_lo is not None:
         parts |= dict(
             fine_codes=_scatter(
@@ -1111,7 +1130,23 @@ def _extend_kivi(
                     merged[name], dtype
                 )
         parts |= merged
-    return updated | dict(side=dataclasses.replace(side, **parts))
+    return updated | dict(side=dataclasses.replace(side, **_into_extras(side, parts)))
+
+
+def _into_extras(side: MixedState, parts: dict) -> dict:
+    """`parts` with its sinks' and heavy tokens' entries (sink_k, heavy_k, sink_k_exp, ... of
+    the sinks' or the heavy slots' size) written into the extras arrays they are part of."""
+    parts = dict(parts)
+    for kv in ("k", "v"):
+        for suffix in ("", "_exp"):
+            name = f"extra_{kv}{suffix}"
+            x = getattr(side, name)
+            for start, key in ((0, f"sink_{kv}{suffix}"), (side.sinks, f"heavy_{kv}{suffix}")):
+                if key in parts:
+                    x = jax.lax.dynamic_update_slice_in_dim(x, parts.pop(key), start, axis=2)
+            if x is not getattr(side, name):
+                parts[name] = x
+    return parts
 
 
 def _ring_and_new(cache: KiviCache, kv: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -1149,7 +1184,7 @@ def side_values(side: MixedState, dtype) -> MixedState:
     """`side` with an INT8 residual's sinks and heavy tokens decoded to values of `dtype`
     (their exponents None); any other side as it is."""
     parts = {}
-    for name in ("sink_k", "sink_v", "heavy_k", "heavy_v"):
+    for name in ("extra_k", "extra_v"):
         exp = getattr(side, f"{name}_exp")
         if exp is not None:
             parts |= {name: quantization.int8_token_values(getattr(side, name), exp, dtype),

@@ -190,12 +190,14 @@ def test_the_heavy_merge_kernel_keeps_the_slots_the_xla_merge_keeps(interpret):
     from kivi_jax.pallas_kernels.append.gpu import heavy_merge_kernel
     from test_cache_mixed import _heavy_slots
 
-    side, c = _heavy_slots(np.random.default_rng(2), 32, 2, 4, 64)
+    side, c = _heavy_slots(np.random.default_rng(2), 32, 2, 4, 64, sinks=2)
     want = kc._merge_one_heavy(side, c["k"], c["v"], c["pos"], c["score"], c["valid"], 4)
-    fields = ("heavy_k", "heavy_v", "heavy_pos", "heavy_score")
+    fields = ("extra_k", "extra_v", "heavy_pos", "heavy_score")
     score = jnp.where(jnp.isnan(c["score"]), jnp.inf, c["score"])[:, :, 0]
     got = heavy_merge_kernel(
         *(getattr(side, f) for f in fields), c["valid"][:, 0, 0].astype(jnp.int32),
         c["pos"][:, 0, 0], score, c["k"][:, :, 0], c["v"][:, :, 0], interpret=interpret,
     )  # fmt: skip
+    # the merged slots after the extras' 2 sinks, which stay as they were
+    want = kc._into_extras(side, want)
     _assert_same_state(dict(zip(fields, got, strict=True)), {f: want[f] for f in fields})

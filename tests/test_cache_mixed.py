@@ -253,10 +253,11 @@ def test_the_widest_channels_are_top_ks_in_the_floats_total_order():
         np.testing.assert_array_equal(jnp.take_along_axis(is_fine, want, axis=-1), True)
 
 
-def _heavy_slots(rng, batch, heads, n, d):
+def _heavy_slots(rng, batch, heads, n, d, sinks=0):
     """Heavy slots [batch, heads, n] filled to random counts with sorted positions below 100
-    and scores from {0, 1, 2, +inf} (ties), and candidates at position 100 whose scores tie,
-    beat or lose to the slots' (NaN among them), some not candidates."""
+    and scores from {0, 1, 2, +inf} (ties), after `sinks` random sinks in the extras, and
+    candidates at position 100 whose scores tie, beat or lose to the slots' (NaN among them),
+    some not candidates."""
     pos = np.full((batch, heads, n), -1, np.int32)
     score = np.full((batch, heads, n), -np.inf, np.float32)
     hk, hv = np.zeros((2, batch, heads, n, d), np.float32)
@@ -266,7 +267,11 @@ def _heavy_slots(rng, batch, heads, n, d):
             pos[b, h, :c] = np.sort(rng.choice(100, c, replace=False))
             score[b, h, :c] = rng.choice([0.0, 1.0, 2.0, np.inf], c)
             hk[b, h, :c], hv[b, h, :c] = rng.normal(size=(2, c, d))
-    side = kj.MixedState(None, None, None, None, *map(jnp.asarray, (hk, hv, pos, score)), None)
+    extra_k, extra_v = (
+        jnp.asarray(np.concatenate([rng.normal(size=(batch, heads, sinks, d)), x], axis=2))
+        for x in (hk, hv)
+    )  # the sinks, then the heavy slots
+    side = kj.MixedState(extra_k, extra_v, None, None, jnp.asarray(pos), jnp.asarray(score), None)
     cand = dict(
         k=jnp.asarray(rng.normal(size=(batch, heads, 1, d)), jnp.float32),
         v=jnp.asarray(rng.normal(size=(batch, heads, 1, d)), jnp.float32),

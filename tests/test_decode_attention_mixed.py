@@ -20,13 +20,15 @@ Final lengths per row, two sets (R = 64, G = 32, S = 4):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import assert_matches_reference, streamed_cache
-from kivi_jax.pallas_kernels.decode_attention import decode_attention_pallas, gpu, tpu
+from kivi_jax.pallas_kernels.decode_attention import decode_attention_pallas, gpu, mixed, tpu
 from kivi_jax.pallas_kernels.decode_attention.gpu import KernelTuning
 
 import kivi_jax as kj
@@ -119,6 +121,52 @@ def test_mixed_state_full_grid_interpret(
 ):
     cfg = _config(bits, sinks=sinks, fine=fine, heavy=heavy, sliding=sliding)
     _check(rng, cfg, D=D, n_rep=n_rep, dtype=dtype, lengths=lengths)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "n_rep", "bits", "F"),
+    [(CC, 1, 2, 16), (CC, 1, 4, 16), (CC, 2, 4, 8), (TC, 4, 2, 16), (TC, 3, 4, 8)],
+)  # F = 8: padded to 16 with zero codes and weights (mixed.fine_operands); MHA at 4 bits: the
+# plain loop Triton pipelines (3 stages), at 2 bits the register prefetch
+def test_score_kernels_add_the_fine_channels_interpret(rng, kernels, n_rep, bits, F):
+    """Both score kernels on fresh random codes, scales, fine codes and fine channels: their
+    logits are the plain kernel's plus `mixed.fine_correction_reference` (the CUDA-core
+    kernel's weights as int16, the tensor-core kernel's as f16: within 1e-3 of the largest
+    correction) and their maxima are exact: each row's largest is its largest logit below Qk
+    (R = 64, 10 key groups of 32 in programs of 4; Qk 320, 128 and 0)."""
+    B, H, D, G, C, R = 3, 2, 64, 32, 320, 64
+    kpb = 8 // bits
+    lengths = jnp.asarray([320, 170, 40], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, H, n_rep, D)), BF)
+    k_codes = jnp.asarray(rng.integers(0, 256, (B, H, C // kpb, D), dtype=np.uint8))
+    k_scale = jnp.asarray(rng.random((B, H, C // G, D)) + 0.1, BF)
+    k_zero = jnp.asarray(rng.normal(size=(B, H, C // G, D)), BF)
+    fine_codes = jnp.asarray(rng.integers(0, 256, (B, H, C // kpb, F), dtype=np.uint8))
+    channels = np.sort(rng.random((B, H, C // G, D)).argsort(-1)[..., :F], axis=-1)
+    fine_channels = jnp.asarray(channels, jnp.uint8)  # F distinct channels a group, ascending
+    q_scale = 0.2
+    qs = q.astype(jnp.float32) * q_scale
+    tuning = KernelTuning(score_program_groups=4, gqa_program_groups=4, **kernels)
+    scores = functools.partial(
+        gpu.dispatch_key_scores, q, k_codes, k_scale, k_zero, lengths, q_scale=q_scale,
+        bits=bits, group_size=G, residual_length=R, tuning=tuning, interpret=True,
+    )  # fmt: skip
+    plain, _ = scores()
+    fine = mixed.fine_operands(qs, k_scale, fine_codes, fine_channels, k_bits=bits)
+    logits, maxima = (np.asarray(x)[:, :, :n_rep] for x in scores(fine=fine))
+    corr = np.asarray(
+        mixed.fine_correction_reference(
+            qs, k_scale, fine_codes, fine_channels, k_bits=bits, group_size=G
+        )
+    )  # fmt: skip
+    want = np.asarray(plain)[:, :, :n_rep] + corr
+    for b, qk in enumerate([320, 128, 0]):
+        if qk:
+            err = np.abs(logits[b, ..., :qk] - want[b, ..., :qk]).max()
+            assert err <= 1e-3 * np.abs(corr[b, ..., :qk]).max()
+            np.testing.assert_array_equal(maxima[b].max(-1), logits[b, ..., :qk].max(-1))
+        else:
+            assert (maxima[b] == np.float32(-1e30)).all()
 
 
 def test_mass_selection_and_cuda_core_gqa_kernels_interpret(rng):

@@ -40,9 +40,12 @@ def test_kivi2_mix_step_is_kivi2s_kernels_a_merge_kernel_and_small_xla_around_th
 
 @pytest.mark.parametrize(
     "kind, bound",
-    [("transpose", 2), ("gather", 9), ("dot_general", 3), ("reduce", 11),
-     ("concatenate", 9), ("total", 505)],
+    [("transpose", 0), ("gather", 8), ("dot_general", 2), ("reduce", 8),
+     ("concatenate", 5), ("total", 430)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 501; kivi2: 64), a little slack on the total only
+    # the counts at jax 0.10.2 (total: 426; kivi2: 64), a little slack on the total only; the
+    # fine channels' correction is in the score kernel (no transpose), the sliding keys' logits
+    # in the value kernel (no pass over the logits, no dot of the ring), the sinks and heavy
+    # tokens one array (not joined each step: 4 concatenations fewer)
     assert counts["kivi2-mix"][kind] <= bound

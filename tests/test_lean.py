@@ -154,7 +154,7 @@ def test_an_int8_residual_holds_the_tokens_as_codes_and_exponents(rng):
     cache = kj.init_cache(cfg, batch=1, max_len=20, num_kv_heads=1, head_dim=8, dtype=jnp.bfloat16)
     assert cache.k_residual.dtype == cache.side.sink_k.dtype == cache.side.heavy_v.dtype == jnp.int8
     assert cache.k_ring_exp.shape == cache.v_ring_exp.shape == (1, 1, 8)  # [B, H, R]
-    assert cache.side.sink_v_exp.shape == (1, 1, 1) and cache.side.heavy_k_exp.shape == (1, 1, 2)
+    assert cache.side.extra_v_exp.shape == (1, 1, 3)  # [B, H, S + N]: 1 sink, 2 heavy slots
     k, v = random_kv(rng, 1, 20, 1, 8)
     cache = kj.prefill(cache, k, v)
     dk, dv = kj.dequantize(cache, jnp.float32)

@@ -19,7 +19,8 @@ Rows with count 0 (inactive or full) write nothing. 2/4-bit codes, power-of-two 
 and R (`kivi_jax.cache._append_kernel_supports`).
 
 A mixed state (kivi_jax.cache, module doc; kivi2-mix) runs `_mixed_append_kernel`: the same
-writes, the new token also written to its sink slot when t < S, the first key group's sinks
+writes, the new token also written to its sink slot when t < S (slot t of the extras, the
+array that holds the sinks and then the heavy slots), the first key group's sinks
 read as token S, and each completed group's F fine channels (`quantization.widest_channels`,
 the same comparisons as the XLA append) quantized with 2b bits: the high b bits in k_codes,
 the low ones in fine_codes, the channels in fine_channels. It hands out the key and value of
@@ -142,8 +143,8 @@ def _mixed_append_kernel(
     lengths_ref, counts_ref, k_ref, v_ref,  # as _append_kernel's
     kc_in, ks_in, kz_in, vc_in, vs_in, vz_in, kr_in, vr_in, sk_in, sv_in, fc_in, fch_in,
     kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kr_ref, vr_ref,
-    sk_ref,  # [S, D] sink keys
-    sv_ref,  # [S, D] sink values
+    sk_ref,  # [S + N, D] the extras' keys: the sinks, then the heavy slots (not written here)
+    sv_ref,  # [S + N, D] the extras' values
     fc_ref,  # uint8 [C // kpb, F] the fine channels' low codes
     fch_ref,  # uint8 [C // G, F] each key group's fine channels
     kl_ref,  # [D] out: the key of token t - R (the token leaving the window), from its slot
@@ -200,18 +201,21 @@ def _mixed_append_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k_bits", "v_bits", "group_size", "residual_length", "interpret")
+    jax.jit,
+    static_argnames=("k_bits", "v_bits", "group_size", "residual_length", "sinks", "interpret"),
 )
 def append_kernel(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
     lengths, counts, k, v, side=None,
-    *, k_bits: int, v_bits: int, group_size: int, residual_length: int, interpret: bool = False,
+    *, k_bits: int, v_bits: int, group_size: int, residual_length: int, sinks: int = 0,
+    interpret: bool = False,
 ):  # fmt: skip
     """The kernel over one layer's arrays (kivi_jax.cache's layout); k, v [B, H, D] in the
     cache dtype, counts [B] in {0, 1} (tokens that fit). Returns the 8 arrays, updated.
 
-    side: None, or a mixed state's (sink_k, sink_v, fine_codes, fine_channels) (S sinks, F fine
-    key channels): then the 12 arrays, updated, and the key and value of each row's token
+    side: None, or a mixed state's (extra_k, extra_v, fine_codes, fine_channels) (extras
+    [B, H, S + N, D], S = `sinks` sinks first; F fine key channels): then the 12 arrays,
+    updated (the extras' sink slots), and the key and value of each row's token
     t - R (t = lengths[b]) read from the rings before the new token takes its slot, [B, H, D]
     (what a row's slot held where no token leaves)."""
     state = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
@@ -265,13 +269,13 @@ def append_kernel(
             name="kivi_append",
         )(*inputs, *views)
         return [o.reshape(x.shape) for o, x in zip(out, state, strict=True)]
-    S, F = side[0].shape[2], side[2].shape[3]  # sink_k [B, H, S, D], fine_codes [.., F]
-    side_specs = [full(S, D), full(S, D), full(C // kpb, F), full(C // G, F)]
+    E, F = side[0].shape[2], side[2].shape[3]  # extra_k [B, H, S + N, D], fine_codes [.., F]
+    side_specs = [full(E, D), full(E, D), full(C // kpb, F), full(C // G, F)]
     leaving_specs = [full(D), full(D // G, G // vpb, vpb)]
     leaving = [jax.ShapeDtypeStruct((B, H, D), k_residual.dtype),
                jax.ShapeDtypeStruct((B, H, D // G, G // vpb, vpb), v_residual.dtype)]  # fmt: skip
     out = pl.pallas_call(
-        functools.partial(_mixed_append_kernel, **config, sinks=S, fine_channels=F),
+        functools.partial(_mixed_append_kernel, **config, sinks=sinks, fine_channels=F),
         grid=(B, H),
         in_specs=[*in_specs, *state_specs, *side_specs],
         out_specs=[*state_specs, *side_specs, *leaving_specs],
@@ -292,13 +296,14 @@ def _heavy_merge_kernel(
     k_ref,  # [D] its key
     v_ref,  # [D] its value
     hk_in, hv_in, hp_in, hs_in,  # the heavy slots (aliased)
-    hk_ref,  # [N, D] keys
-    hv_ref,  # [N, D] values
+    hk_ref,  # [S + N, D] the extras' keys: the sinks, then the heavy slots' keys
+    hv_ref,  # [S + N, D] the extras' values
     hp_ref,  # int32 [N] positions, ascending, -1 for an empty slot (at the end)
     hs_ref,  # float32 [N] scores, -inf for an empty slot
 ):  # fmt: skip
     del hk_in, hv_in, hp_in, hs_in  # read and written through the outputs
     N = hp_ref.shape[0]
+    S = hk_ref.shape[0] - N
     hp, hs = hp_ref[...], hs_ref[...]
     i = jax.lax.broadcasted_iota(jnp.int32, (N,), 0)
     held = hp >= 0
@@ -319,28 +324,29 @@ def _heavy_merge_kernel(
             x, x_next = ref[...], ref[after]  # [N]
             ref[...] = jnp.where(takes, cand, jnp.where(moves, x_next, x))
         for ref, cand in ((hk_ref, k_ref[...]), (hv_ref, v_ref[...])):
-            x, x_next = ref[...], ref[after]  # [N, D]
-            ref[...] = jnp.where(
+            x, x_next = ref[pl.ds(S, N)], ref[S + after]  # [N, D]
+            ref[pl.ds(S, N)] = jnp.where(
                 takes[:, None], cand[None, :], jnp.where(moves[:, None], x_next, x)
             )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def heavy_merge_kernel(
-    heavy_k, heavy_v, heavy_pos, heavy_score, valid, pos, score, k, v, *, interpret: bool = False
+    extra_k, extra_v, heavy_pos, heavy_score, valid, pos, score, k, v, *, interpret: bool = False
 ):  # fmt: skip
     """One candidate per row merged into a mixed state's heavy slots, in place
-    (`kivi_jax.cache._merge_one_heavy` is the reference): heavy_k, heavy_v [B, H, N, D],
-    heavy_pos int32 and heavy_score float32 [B, H, N]; valid int32 [B], pos int32 [B], score
-    float32 [B, H] (NaN taken as +inf), k, v [B, H, D] in the slots' dtype. Returns the four
-    slot arrays, updated."""
-    B, H, N, D = heavy_k.shape
+    (`kivi_jax.cache._merge_one_heavy` is the reference): extra_k, extra_v [B, H, S + N, D]
+    (the extras: S sinks, then the N heavy slots), heavy_pos int32 and heavy_score float32
+    [B, H, N]; valid int32 [B], pos int32 [B], score float32 [B, H] (NaN taken as +inf), k, v
+    [B, H, D] in the slots' dtype. Returns the four arrays, updated (the sinks as they were)."""
+    B, H, E, D = extra_k.shape
+    N = heavy_pos.shape[2]
     row = pl.BlockSpec((None,), lambda b, h: (b,))
     per_head = lambda *block: pl.BlockSpec(
         (None, None, *block), lambda b, h: (b, h) + (0,) * len(block)
     )
-    slots = [per_head(N, D), per_head(N, D), per_head(N), per_head(N)]
-    heavy = (heavy_k, heavy_v, heavy_pos, heavy_score)
+    slots = [per_head(E, D), per_head(E, D), per_head(N), per_head(N)]
+    heavy = (extra_k, extra_v, heavy_pos, heavy_score)
     return pl.pallas_call(
         _heavy_merge_kernel,
         grid=(B, H),

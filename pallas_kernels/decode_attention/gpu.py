@@ -465,29 +465,50 @@ def _join_parts(sums):
 _Q16 = 32767  # the folded query's int16 range
 
 
-def _fold_query(q, scales, zeros):
-    """The query folded into n key groups' scales, slice by slice: q[s] [1, w, 4] f32 scaled
-    query, scales[s] / zeros[s] [n, w, 4] (channel 4i + r of slice s at [.., i, r]) ->
-    (words, coef [n], bias [n]), words[half][s] int32 [n, w]: q_d s_gd as int16 (in units of
-    coef), channels 4i and 4i + 1 in the low and high half of word i of half 0, channels
-    4i + 2 and 4i + 3 in half 1: q_d s_gd = coef_g y_gd + e_gd with |y_gd| <= 32767 and
-    |e_gd| <= max_d |q_d s_gd| / 65534 (about 16 bits, more than the bfloat16 query carries),
-    and bias_g = sum_d q_d z_gd."""
-    qk = [x * sc.astype(jnp.float32) for x, sc in zip(q, scales, strict=True)]  # q_d s_gd
+def _int16_pairs(xs):
+    """Products x[s] [n, w, 4] f32 (channel 4i + r of slice s at [.., i, r]) of n groups ->
+    (words, coef [n]), words[half][s] int32 [n, w]: x as int16 (in units of coef), channels
+    4i and 4i + 1 in the low and high half of word i of half 0, channels 4i + 2 and 4i + 3 in
+    half 1: x_gd = coef_g y_gd + e_gd with |y_gd| <= 32767 and |e_gd| <= max_d |x_gd| / 65534."""
     amax = functools.reduce(
-        jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in qk]
+        jnp.maximum, [jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) for x in xs]
     )  # [n]
     unit = _int8_unit(amax, _Q16)
     r = lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
     words = [[], []]
-    for x in qk:
+    for x in xs:
         y = jnp.floor(x * (1.0 / unit)[:, None, None] + 0.5).astype(jnp.int32)  # |y| <= 32767
         y = (y & 0xFFFF) << (16 * (r % 2))
         words[0].append(jnp.sum(jnp.where(r < 2, y, 0), axis=2))
         words[1].append(jnp.sum(jnp.where(r < 2, 0, y), axis=2))
+    return words, unit
+
+
+def _fold_query(q, scales, zeros):
+    """The query folded into n key groups' scales, slice by slice: q[s] [1, w, 4] f32 scaled
+    query, scales[s] / zeros[s] [n, w, 4] (channel 4i + r of slice s at [.., i, r]) ->
+    (words, coef [n], bias [n]): q_d s_gd as `_int16_pairs` (about 16 bits, more than the
+    bfloat16 query carries), and bias_g = sum_d q_d z_gd."""
+    qk = [x * sc.astype(jnp.float32) for x, sc in zip(q, scales, strict=True)]  # q_d s_gd
+    words, unit = _int16_pairs(qk)
     qz = [x * z.astype(jnp.float32) for x, z in zip(q, zeros, strict=True)]  # q_d z_gd
     bias = functools.reduce(jnp.add, [jnp.sum(jnp.sum(x, axis=2), axis=1) for x in qz])
     return words, unit, bias
+
+
+def _fine_logits(words, folded, *, field: int, bits: int, interpret: bool):
+    """What the fine channels add to field `field`'s logits of a tile of n key groups: words
+    int32 [n, GB, F/4] (fine codes: byte r of word i holds fine channel 4i + r of the token
+    byte's kpb tokens), folded: the weights [n, F/4, 4] (`mixed.FineChannels`) as
+    `_int16_pairs` -> [n, GB], the codes summed by IDP.2A as the keys' are (F < D: within
+    int32)."""
+    (w_lo, w_hi), unit = folded
+    x = words & _field_mask(field, bits)  # c * 2**(bits*field) in every byte
+    acc = jnp.zeros(words.shape, jnp.int32)
+    for half, w in enumerate((w_lo[0], w_hi[0])):
+        w = jnp.broadcast_to(w[:, None, :], words.shape)
+        acc = ptx.dp2a(w, x, acc, high=half == 1, interpret=interpret)
+    return jnp.sum(acc, axis=2).astype(jnp.float32) * (unit * 2.0 ** (-bits * field))[:, None]
 
 
 def _score_kernel(
@@ -508,6 +529,7 @@ def _score_kernel(
     prefetch: int,
     interpret: bool,
     table: pages.RowPages | None = None,
+    fine=None,  # (fine words [NG, GB, F/4] int32, weights [NG, F/4, 4] f32), `mixed.fine_last`
 ):
     NG = s_ref.shape[0]
     *_, GB, nS, ws = kw_ref.shape
@@ -528,11 +550,16 @@ def _score_kernel(
         at = (pl.ds(start, n1),) if table is None else table.tile(g_base + start, n1)
         words = tuple(kw_ref[(*at, slice(None), s, slice(None))] for s in range(nS))
         params = tuple(tuple(r[(*at, s)] for s in range(nS)) for r in (ks_ref, kz_ref))
-        return words, params
+        if fine is None:
+            return words, params
+        return words, params, tuple(r[at] for r in fine)
 
     def compute(k, tile, m):
-        words, params = tile
+        words, params, *fine_tile = tile
         q8, coef, bias = _fold_query(q, *params)
+        if fine_tile:
+            fine_words, fine_weights = fine_tile[0]
+            fine_folded = _int16_pairs([fine_weights])
         shape = (n1, GB, ws)
         valid = (g_base + first_group(k) + lax.broadcasted_iota(jnp.int32, (n1, 1), 0)) < qk_groups
         q8 = [[jnp.broadcast_to(x[:, None, :], shape) for x in half] for half in q8]
@@ -545,7 +572,12 @@ def _score_kernel(
                     acc = ptx.dp2a(q8[half][s], x, acc, high=half == 1, interpret=interpret)
             total = jnp.sum(acc, axis=2)  # [n1, GB]
             scale = (coef * 2.0 ** (-bits * j))[:, None]
-            sc.append(total.astype(jnp.float32) * scale + bias[:, None])
+            logit = total.astype(jnp.float32) * scale + bias[:, None]
+            if fine_tile:
+                logit = logit + _fine_logits(
+                    fine_words, fine_folded, field=j, bits=bits, interpret=interpret
+                )
+            sc.append(logit)
             m = jnp.maximum(m, jnp.where(valid, sc[j], loops.NEG_INIT))
         s_ref[pl.ds(first_group(k), n1)] = _stack_fields(sc)  # [n1, GB, 2, ..., 2]
         return m
@@ -592,6 +624,7 @@ def _value_kernel(
     prefetch: int,
     interpret: bool,
     table: pages.RowPages | None = None,
+    sliding_keys: bool = False,
 ):
     """One token split of a row: its share of the residual tail (`residual.tail_share`), then the
     split's tiles of quantized values within [0, Pv), both against one max m: the larger of
@@ -640,6 +673,7 @@ def _value_kernel(
     [(m_tail, o_tail, l_tail)] = residual.tail_share(
         length, [q], kr_ref, vr_ref, lambda h, tok: st_ref[jnp.minimum(tok, C - 1)],
         split=split, splits=splits, slots=tail_slots, prefetch=prefetch,
+        sliding_keys=sliding_keys,
     )  # fmt: skip
     m = jnp.maximum(row_max(), m_tail)
     ot_ref[...] = o_tail * jnp.exp2(m_tail - m)
@@ -710,15 +744,16 @@ def _loop_stages(stages: int, interpret: bool) -> int:
     return stages if stages > 1 and (interpret or triton_stages.install()) else 1
 
 
-def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits, group_size,
-               residual_length, tuning, interpret):  # fmt: skip
+def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, fine=None, *, q_scale, bits,
+               group_size, residual_length, tuning, interpret):  # fmt: skip
     """The score kernel. q [B, H, n_rep, D] (queries, any float dtype; the logits are of
     q * q_scale in float32) -> logits [B, H, n_rep, C] of the quantized keys (defined for
     t < Qk) and each program's max [B, H, n_rep, M] (P programs a row, M = P rounded up to a
     power of two, -1e30 past P: a value program reads them in one load where M <= 1024).
     table: None, the keys [B, H, C / kpb, D], [B, H, C / G, D]; or int32 [B, Mp], the keys a
     pool of pages [Pp, H, ps / kpb, D], [Pp, H, ps / G, D] (kivi_jax.paged), C = Mp * ps, each
-    tile of key groups within one page (`pages`)."""
+    tile of key groups within one page (`pages`). fine: None, or a mixed state's fine key
+    channels (`mixed.FineChannels`, contiguous keys only), added to the logits and maxima."""
     tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
     G, kpb = group_size, 8 // bits
@@ -771,6 +806,21 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bit
         )
         table_specs, tables = [pages.table_spec(table)], (table,)
     name = "kivi_scores" if table is None else "kivi_scores_paged"
+    fine_specs, fines = [], ()
+    if fine is not None:
+        if table is not None:
+            raise ValueError("the fine key channels are read from the contiguous state")
+        Fp = fine.codes.shape[3]
+        kernel = mixed.fine_last(kernel)
+        fine_specs = [
+            pl.BlockSpec((None, None, NG, GB, Fp // 4), lambda b, h, p: (b, h // n_rep, p, 0, 0)),
+            pl.BlockSpec((None, None, NG, Fp // 4, 4), lambda b, h, p: (b, h, p, 0, 0)),
+        ]
+        fines = (
+            _words(fine.codes).reshape(B, H, C // G, GB, Fp // 4),
+            fine.weights.reshape(B, Hq, C // G, Fp // 4, 4),
+        )
+        name = "kivi_scores_fine"
     scores, block_max = pl.pallas_call(
         kernel,
         grid=(B, Hq, P),  # query heads of one KV head read the same key words (through L2)
@@ -779,6 +829,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bit
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
             pl.BlockSpec((None, None, nS, ws, 4), lambda b, h, p: (b, h, 0, 0, 0)),
             *key_specs,
+            *fine_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, NG, GB, *twos), lambda b, h, p: (b, h, p, 0, *zeros)),
@@ -791,7 +842,7 @@ def key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bit
         compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
         name=name if stages == 1 else triton_stages.staged_name(name, stages),
-    )(*tables, lengths, q.reshape(B, Hq, nS, ws, 4), *keys)
+    )(*tables, lengths, q.reshape(B, Hq, nS, ws, 4), *keys, *fines)
     return scores.reshape(B, H, n_rep, C), block_max.reshape(B, H, n_rep, M)
 
 
@@ -812,7 +863,7 @@ def _splits(tuning: GpuTuning, *, n_steps: int, rows: int) -> tuple[int, int]:
 
 def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual,
                     lengths, table=None, *, q_scale, bits, group_size, residual_length, tuning,
-                    interpret):  # fmt: skip
+                    interpret, sliding_keys=False):  # fmt: skip
     """The value kernel: S token splits per row, each a partial softmax over its quantized
     values and its share of the residual tail against its own max (`_value_kernel`).
     q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, P] (`key_scores`,
@@ -825,7 +876,9 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     through L2), except with GQA where `tuning.gqa_values` picks the tensor-core kernel and
     it applies (`gqa_values.gqa_weighted_values`: one program per KV head and split).
     table: None, the values [B, H, C, .]; or int32 [B, Mp], the values a pool of pages
-    [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps, each tile within one page (`pages`)."""
+    [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps, each tile within one page (`pages`).
+    sliding_keys: a mixed state's keys of the tail [Pv, l) are the ring's (the logits of
+    [Pv, Qk) not read: `residual.tail_share`)."""
     tuning = kernel_tuning(tuning)
     B, H, slots, C = scores.shape
     n_rep = q.shape[2]
@@ -847,7 +900,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
             table, q_scale=q_scale, bits=bits, group_size=G, splits=S, blocks=blocks,
             tokens_per_split=steps_per_split * step, interleave=tuning.value_interleave,
             tail_slots=_pow2_divisor(R, tuning.gqa_tail_slots), max_chunk=max_chunk,
-            prefetch=tuning.prefetch, interpret=interpret,
+            prefetch=tuning.prefetch, interpret=interpret, sliding_keys=sliding_keys,
         )  # fmt: skip
     quads, chain = value_tiles(tuning, capacity=tile_capacity, v_bits=bits)
     step = 4 * quads * chain
@@ -872,6 +925,7 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
         interleave=tuning.value_interleave,
         prefetch=tuning.prefetch,
         interpret=interpret,
+        sliding_keys=sliding_keys,
     )
     if table is None:
         value_specs = [
@@ -950,11 +1004,12 @@ def weighted_values(q, scores, block_max, v_codes, v_scale, v_zero, k_residual, 
     )
 
 
-def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits,
-                        group_size, residual_length, tuning, interpret):  # fmt: skip
+def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, fine=None, *, q_scale,
+                        bits, group_size, residual_length, tuning, interpret):  # fmt: skip
     """The score kernel the tuning picks for q [B, H, n_rep, D]: with GQA the tensor-core one
     where `tuning.gqa_scores` asks for it and it applies (`gqa_scores.gqa_key_scores`), else
-    `key_scores`; -> (logits, maxima) as each returns them (`table`: as `key_scores`)."""
+    `key_scores`; -> (logits, maxima) as each returns them (`table`, `fine`: as
+    `key_scores`)."""
     tuning = kernel_tuning(tuning)
     B, H, n_rep, D = q.shape
     C = k_scale.shape[2] * group_size * (1 if table is None else table.shape[1])
@@ -965,11 +1020,11 @@ def dispatch_key_scores(q, k_codes, k_scale, k_zero, lengths, table=None, *, q_s
         n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits
     ):
         return gqa_scores.gqa_key_scores(
-            q, k_codes, k_scale, k_zero, lengths, table,
+            q, k_codes, k_scale, k_zero, lengths, table, fine,
             program_groups=tuning.gqa_groups(n_groups=C // group_size, rows=B * H),
             prefetch=tuning.prefetch, **common,
         )  # fmt: skip
-    return key_scores(q, k_codes, k_scale, k_zero, lengths, table, tuning=tuning, **common)
+    return key_scores(q, k_codes, k_scale, k_zero, lengths, table, fine, tuning=tuning, **common)
 
 
 @functools.partial(
@@ -1009,8 +1064,10 @@ def kivi_decode_attention_gpu(
     interpret: bool = False,
 ):
     """Decode attention over a KIVI state with the GPU kernels -> [B, Hq, D]. A mixed state
-    (`side`, `sliding_keys`) runs the same kernels, its logits edited between them and its
-    full-precision entries merged as one more split (`mixed`). With a page table the codes,
+    (`side`, `sliding_keys`) runs the same kernels, its fine key channels added by the score
+    kernel, its tail's keys read from the ring by the value kernel with sliding keys, -inf
+    set at its full-precision entries' positions between the two and those entries merged as
+    one more split (`mixed`). With a page table the codes,
     scales and zero points are pools of pages ([Pp, H, ps / kpb, D], [Pp, H, ps / G, D],
     [Pp, H, ps, .]; kivi_jax.paged, C = Mp * ps), read through the table in the kernels, each
     tile from one page (plain KIVI only: a mixed state's edits read the contiguous state)."""
@@ -1039,22 +1096,24 @@ def kivi_decode_attention_gpu(
     q_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * _LOG2E  # base-2 logits
     q = q.reshape(B, H, n_rep, D)
     common = dict(group_size=G, interpret=interpret)
-    scores, block_max = dispatch_key_scores(
-        q, k_codes, k_scale, k_zero, lengths, table, q_scale=q_scale, bits=k_bits,
-        residual_length=R, tuning=tuning, **common,
-    )  # fmt: skip
-    extras = None
+    fine = extras = None
     if side is not None:
         qs = q.astype(jnp.float32) * q_scale
-        window = dict(residual_length=R, sliding_keys=sliding_keys)
-        extras = mixed.extra_entries(side, lengths, **window)
-        scores, block_max = mixed.edit_logits(
-            qs, scores, block_max, k_scale, k_residual, lengths, side, extras, k_bits=k_bits,
-            group_size=G, **window,
-        )  # fmt: skip
+        if side.fine_codes is not None:
+            fine = mixed.fine_operands(
+                qs, k_scale, side.fine_codes, side.fine_channels, k_bits=k_bits
+            )
+    scores, block_max = dispatch_key_scores(
+        q, k_codes, k_scale, k_zero, lengths, table, fine, q_scale=q_scale, bits=k_bits,
+        residual_length=R, tuning=tuning, **common,
+    )  # fmt: skip
+    if side is not None:
+        extras = mixed.extra_entries(side, lengths, residual_length=R, sliding_keys=sliding_keys)
+        scores = mixed.mask_extras(scores, extras)
     m, o, o_tail, l_sum = weighted_values(
         q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths, table,
-        q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning, **common,
+        q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning,
+        sliding_keys=sliding_keys, **common,
     )  # fmt: skip
     if extras is not None:  # one more split: the full-precision entries (no tail)
         m_e, o_e, l_e = mixed.extras_softmax(qs, extras)

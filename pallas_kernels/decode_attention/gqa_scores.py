@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import loops, pages
+from kivi_jax.pallas_kernels.decode_attention import loops, mixed, pages
 from kivi_jax.pallas_kernels.decode_attention.ptx import (
     and_or,
     f16_halves,
@@ -130,6 +130,7 @@ def _kernel(
     param_dtype,
     interpret: bool,
     table: pages.RowPages | None = None,
+    fine=None,  # (fine words [C/kpb, Fp/4] int32, weights [n_rep, C/G, Fp] f32): `mixed.fine_last`
 ):
     slots = s_ref.shape[0]
     D = q_ref.shape[1]
@@ -173,6 +174,11 @@ def _kernel(
     # has the next field); at 2 bits both blocks read the same token byte's words
     token_bytes = [g] if bits == 2 else [g, 8 + g]  # of row g, within the group
     blocks = [(0, 0), (0, 2)] if bits == 2 else [(0, 0), (1, 0)]
+    # The fine channels (a mixed state): one more k chunk of 16 per 16 fine channels, mapped
+    # as the keys' channels are (lane t: fine channels 16c + 4t + {0, 2, 1, 3} of fine word
+    # 4c + t), added into the same accumulators.
+    fine_chunks = 0 if fine is None else fine[0].shape[1] // 4
+    fine_order = [16 * c + 4 * t + o for c in range(fine_chunks) for o in (0, 2, 1, 3)]
 
     def load(i):
         """Group g0 + i's scale and zero-point pairs and key words of this lane (a group past
@@ -183,11 +189,26 @@ def _kernel(
             kw_ref[(*at, lg * GB + tb, 4 * c + t)] for tb in token_bytes for c in range(D // 16)
         ]
         params = [[r[(*at, lg, w)] for w in param_loads] for r in (ks_ref, kz_ref)]
-        return *params, words
+        if fine is None:
+            return *params, words
+        fw_ref, weight_ref = fine
+        fine_words = [
+            fw_ref[gi * GB + tb, 4 * c + t] for tb in token_bytes for c in range(fine_chunks)
+        ]
+        return *params, words, fine_words, [weight_ref[head, gi, f] for f in fine_order]
 
     def compute(i, tile, maxima):
         gi = g0 + i
-        *params, words = tile
+        if fine is None:
+            *params, words = tile
+        else:
+            *params, words, fine_words, weights = tile
+            fine_b = [
+                pack_f16x2(*(jnp.where(g < n_rep, w, 0.0) for w in weights[k : k + 2]),
+                           interpret=interpret)
+                for k in range(0, len(weights), 2)
+            ]  # fmt: skip
+            fine_halves = [y for x in fine_words for y in (x, lax.shift_right_logical(x, 8))]
         ks, kz = ([shfl_idx(x[r], src, interpret=interpret) for r, src in pair_src] for x in params)
         s, z = ([v for w in x for v in param_pair(w, param_dtype)] for x in (ks, kz))
         s, z = [s[x] for x in k_order], [z[x] for x in k_order]
@@ -207,6 +228,10 @@ def _kernel(
             start = mma_m16n8k16(
                 [minus_magic] * 4, b[2 * c : 2 * c + 2], start, interpret=interpret
             )
+        for c in range(fine_chunks):
+            start = mma_m16n8k16(
+                [minus_magic] * 4, fine_b[2 * c : 2 * c + 2], start, interpret=interpret
+            )
         maxima = list(maxima)
         for n, j in blocks:
             masks = [field_masks[f] for f in (j, j + 1)]
@@ -219,6 +244,14 @@ def _kernel(
                     for m in masks
                 ]  # a[0]: row g, a[1]: row g + 8 (field j + 1), a[2], a[3]: k + 8
                 acc = mma_m16n8k16(a, b[2 * c : 2 * c + 2], acc, interpret=interpret)
+            for c in range(fine_chunks):  # the fine codes, fields j and j + 1 likewise
+                row_words = fine_halves[2 * fine_chunks * n :]
+                a = [
+                    code_operand(y, m, magic, interpret=interpret)
+                    for y in row_words[2 * c : 2 * c + 2]
+                    for m in masks
+                ]
+                acc = mma_m16n8k16(a, fine_b[2 * c : 2 * c + 2], acc, interpret=interpret)
             for r, (field, e) in enumerate([(j, 0), (j, 1), (j + 1, 0), (j + 1, 1)]):
                 score = acc[r] * 2.0 ** (-bits * field) + bias[e]
                 token = gi * G + kpb * token_bytes[n] + field
@@ -246,7 +279,7 @@ def _in_page(table: pages.RowPages, unit):
 
 
 def gqa_key_scores(
-    q, k_codes, k_scale, k_zero, lengths, table=None, *, q_scale, bits, group_size,
+    q, k_codes, k_scale, k_zero, lengths, table=None, fine=None, *, q_scale, bits, group_size,
     residual_length, program_groups, prefetch, interpret,
 ):  # fmt: skip
     """q [B, H, n_rep, D] (any float dtype; logits of q * q_scale), k_codes uint8
@@ -257,7 +290,9 @@ def gqa_key_scores(
     rounded up to a power of two, the columns past 8 P -1e30, so that a value program reads
     them in one load where M <= 1024). table: None; or int32 [B, Mp], the keys a pool of pages
     (kivi_jax.paged: k_codes [Pp, H, ps / kpb, D], k_scale / k_zero [Pp, H, ps / G, D]),
-    C = Mp * ps, each group read from its page (`pages`)."""
+    C = Mp * ps, each group read from its page (`pages`). fine: None, or a mixed state's fine
+    key channels (`mixed.FineChannels`, contiguous keys only), added to the logits and maxima
+    (the weights as f16 B operands: relative error 2**-11 of each term)."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, k_bits=bits)
     if reason is not None:
@@ -301,6 +336,22 @@ def gqa_key_scores(
             pl.BlockSpec((Pp, None, n // kpb, D // 4), pool),
         ]
         table_specs, tables = [pages.table_spec(table)], (table,)
+    name = "kivi_scores_mma" if table is None else "kivi_scores_mma_paged"
+    fine_specs, fines = [], ()
+    if fine is not None:
+        if table is not None:
+            raise ValueError("the fine key channels are read from the contiguous state")
+        Fp = fine.codes.shape[3]
+        kernel = mixed.fine_last(kernel)
+        fine_specs = [
+            pl.BlockSpec((None, None, C // kpb, Fp // 4), whole),
+            pl.BlockSpec((None, None, n_rep, C // G, Fp), lambda b, h, p: (b, h, 0, 0, 0)),
+        ]
+        fines = (
+            lax.bitcast_convert_type(fine.codes.reshape(B, H, C // kpb, Fp // 4, 4), jnp.int32),
+            fine.weights,
+        )
+        name = "kivi_scores_mma_fine"
     return pl.pallas_call(
         kernel,
         grid=(B, H, P),
@@ -309,6 +360,7 @@ def gqa_key_scores(
             pl.BlockSpec((None,), lambda b, h, p: (b,)),
             pl.BlockSpec((None, None, n_rep, D), whole),
             *key_specs,
+            *fine_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, slots, C), whole),
@@ -320,5 +372,5 @@ def gqa_key_scores(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
-        name="kivi_scores_mma" if table is None else "kivi_scores_mma_paged",
-    )(*tables, lengths, q, pairs(k_scale), pairs(k_zero), words)
+        name=name,
+    )(*tables, lengths, q, pairs(k_scale), pairs(k_zero), words, *fines)

@@ -117,6 +117,7 @@ def _kernel(
     prefetch: int,
     interpret: bool,
     table: pages.RowPages | None = None,
+    sliding_keys: bool = False,
 ):
     n_rep, D = q_ref.shape
     C = s_ref.shape[1]
@@ -201,6 +202,7 @@ def _kernel(
     tails = residual.tail_share(
         length, qs, kr_ref, vr_ref, lambda h, tok: s_ref[h, jnp.minimum(tok, C - 1)],
         split=split, splits=splits, slots=tail_slots, prefetch=prefetch,
+        sliding_keys=sliding_keys,
     )  # fmt: skip
     m, l_tail = [], []
     for h, (m_t, o_t, l_t) in enumerate(tails):
@@ -278,7 +280,7 @@ def _kernel(
 def gqa_weighted_values(
     q, scores, block_max, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
     table=None, *, q_scale, bits, group_size, splits, blocks, tokens_per_split, interleave,
-    tail_slots, max_chunk, prefetch, interpret,
+    tail_slots, max_chunk, prefetch, interpret, sliding_keys=False,
 ):  # fmt: skip
     """q [B, H, n_rep, D], scores [B, H, slots, C] and block_max [B, H, slots, Pm] (either
     score kernel's; slot h < n_rep read), v_codes uint8 [B, H, C, D / vpb], v_scale / v_zero
@@ -289,7 +291,8 @@ def gqa_weighted_values(
     multiple of 16 blocks) tokens each, their loads `prefetch` iterations ahead; the tail in
     chunks of `tail_slots` ring slots, the maxima read `max_chunk` at a time. table: None; or
     int32 [B, Mp], the values a pool of pages [Pp, H, ps, .] (kivi_jax.paged), C = Mp * ps,
-    16 * blocks dividing ps: each tile read from its page (`pages`)."""
+    16 * blocks dividing ps: each tile read from its page (`pages`). sliding_keys: as
+    `gpu.weighted_values`."""
     B, H, n_rep, D = q.shape
     reason = supported_reason(n_rep=n_rep, group_size=group_size, head_dim=D, v_bits=bits)
     if reason is not None:
@@ -315,6 +318,7 @@ def gqa_weighted_values(
         param_dtype=v_scale.dtype,
         prefetch=prefetch,
         interpret=interpret,
+        sliding_keys=sliding_keys,
     )
     if table is None:
         value_specs = [

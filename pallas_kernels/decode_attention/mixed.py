@@ -4,19 +4,22 @@ The score kernel writes the base-2 logits of the quantized keys, [B, H, slots, C
 program's maximum; the value kernel reads those logits for every token whose key the cache
 reads quantized (`kivi_jax.cache`, module doc: t < Qk), and the residual ring for the rest.
 A mixed state (`MixedState`: sinks, sliding keys, fine key channels, heavy tokens) changes what
-some tokens read; here XLA edits the logits between the two kernels, and adds the
-full-precision entries as one more partial softmax, so that the kernels run unchanged:
+some tokens read: the score kernels add the fine channels, the value kernels read the sliding
+keys from the ring; XLA sets the logits of the full-precision entries to -inf between the two
+kernels and adds those entries as one more partial softmax:
 
 * Fine key channels: a fine channel's key is hi * k_scale + k_zero + lo * k_scale / 2^b
-  (b = k_bits); the kernel computes the first part from the codes it reads, so the logit
-  gains sum_f q_f k_scale_f lo_tf / 2^b over the group's F fine channels: a second, small
-  dot product per key group (`fine_correction`). The score programs' maxima are raised by a
-  bound of that sum (`fine_bound`), so that they stay at or above every logit: the value
-  kernels exponentiate against them (weights <= 1, the tensor-core kernel's f16 operands).
+  (b = k_bits); the score kernels compute the first part from the codes they read and add
+  sum_f w_f lo_tf, w_f = q_f k_scale_f / 2^b, over the group's F fine channels: a second,
+  small dot product per key group on the fine codes, with the weights w precomputed here
+  (`fine_operands`: [B, H, n_rep, NG, F], F padded to a power of two >= 16). The kernels'
+  maxima include it (exact), so the value kernels exponentiate against maxima at or above
+  every logit (weights <= 1, the tensor-core kernel's f16 operands). `fine_correction_reference`
+  is what they add.
 * Sliding keys: keys leave the window with their values, so keys of [Pv, l) are read from
-  the ring, Pv = max(l - R, 0). The value kernels take the logits of the tail's tokens below
-  the plain Qk = l - l % R from the score kernel; those of [Pv, Qk) are overwritten with the
-  exact logits of the ring's keys (`ring_logits`).
+  the ring, Pv = max(l - R, 0): the value kernels compute every tail token's logit from the
+  ring's key (`residual.tail_share` with sliding_keys), where plain KIVI takes those below
+  Qk = l - l % R from the score kernel.
 * Sinks and heavy tokens: full-precision keys and values of tokens whose logits the kernels
   would otherwise read quantized, t < Qx (Qx: Pv with sliding keys, else Qk): the sinks
   t < min(S, l, Qx) and every heavy slot (heavy tokens have left the value window: t < Pv).
@@ -25,13 +28,16 @@ full-precision entries as one more partial softmax, so that the kernels run unch
   as one more split. Sinks at or past Qx are in the ring, which holds the same key and value:
   the kernels read them there.
 
-The maxima the value kernels use may lie above the logits that remain after masking (a masked
-token's quantized logit was the largest): weights are then exponentiated against a larger
+The maxima the value kernels use may lie above the logits they read (a masked token's
+quantized logit was the largest, or with sliding keys a quantized logit of [Pv, Qk), which
+they read from the ring instead): weights are then exponentiated against a larger
 max, which changes nothing unless the gap passes ~126 (base 2), where float32 weights
 underflow to 0; the extras' own partial softmax is unaffected.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +46,16 @@ from kivi_jax.pallas_kernels.decode_attention import loops
 from kivi_jax import quantization
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+class FineChannels(NamedTuple):
+    """What the score kernels read of the fine key channels: codes uint8 [B, H, C // kpb, Fp]
+    (the low b bits, packed along tokens as the key codes are) and weights f32
+    [B, H, n_rep, NG, Fp] (q_f k_scale_f / 2^b of each query head, key group and fine channel);
+    Fp = F, or F padded with zero codes and weights to a power of two >= 16."""
+
+    codes: jax.Array
+    weights: jax.Array
 
 
 def _fine_weights(qs, k_scale, fine_channels, *, k_bits: int):
@@ -52,28 +68,39 @@ def _fine_weights(qs, k_scale, fine_channels, *, k_bits: int):
     return q_at * scale[:, :, None] * (1.0 / (1 << k_bits))
 
 
-def fine_correction(qs, k_scale, fine_codes, fine_channels, *, k_bits: int, group_size: int):
-    """What the fine channels' low codes add to each quantized key's logit: [B, H, n_rep, C]
-    (fine_codes uint8 [B, H, C // kpb, F], the low b bits, packed along tokens)."""
+def fine_operands(qs, k_scale, fine_codes, fine_channels, *, k_bits: int) -> FineChannels:
+    """The fine channels as the score kernels read them (`FineChannels`); a copy of the codes
+    only where F is not already a power of two >= 16 (KIVI2_MIX's 16 is)."""
+    w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
+    F = w.shape[-1]
+    Fp = max(16, 1 << (F - 1).bit_length())
+    if Fp != F:
+        widen = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, Fp - F)])
+        fine_codes, w = widen(fine_codes), widen(w)
+    return FineChannels(fine_codes, w)
+
+
+def fine_last(kernel):
+    """`kernel(*inputs, *outputs, fine=(codes_ref, weights_ref))` (two outputs) as a Pallas
+    kernel whose last two inputs are the fine codes and weights."""
+
+    def run(*refs):
+        *inputs, codes_ref, weights_ref, s_ref, m_ref = refs
+        return kernel(*inputs, s_ref, m_ref, fine=(codes_ref, weights_ref))
+
+    return run
+
+
+def fine_correction_reference(
+    qs, k_scale, fine_codes, fine_channels, *, k_bits: int, group_size: int
+):  # fmt: skip
+    """What the fine channels' low codes add to each quantized key's logit, the score kernels'
+    reference: [B, H, n_rep, C] (fine_codes uint8 [B, H, C // kpb, F])."""
     w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
     B, H, n_rep, NG, F = w.shape
     lo = quantization.unpack_codes(fine_codes, k_bits, axis=2).astype(jnp.float32)
-    lo = lo.reshape(B, H, 1, NG, group_size, F)
-    # A sum over the minor axis F, made in the logits' layout (a dot would put the group axis
-    # first: a transpose of [B, H, n_rep, C] after it).
-    corr = jnp.sum(w[:, :, :, :, None] * lo, axis=-1)  # [B, H, n_rep, NG, G]
-    return corr.reshape(B, H, n_rep, -1)
-
-
-def fine_bound(qs, k_scale, fine_channels, *, k_bits: int):
-    """An upper bound of `fine_correction` over a row's tokens: [B, H, n_rep]."""
-    w = _fine_weights(qs, k_scale, fine_channels, k_bits=k_bits)
-    return jnp.max(jnp.sum(jnp.abs(w), axis=-1), axis=-1) * ((1 << k_bits) - 1)
-
-
-def ring_logits(qs, k_residual):
-    """The base-2 logits of the ring's keys: [B, H, n_rep, R] (slot order)."""
-    return jnp.einsum("bhrd,bhsd->bhrs", qs, k_residual.astype(jnp.float32), precision=_HI)
+    lo = lo.reshape(B, H, NG, group_size, F)
+    return jnp.einsum("bhrgf,bhgtf->bhrgt", w, lo, precision=_HI).reshape(B, H, n_rep, -1)
 
 
 def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
@@ -83,66 +110,39 @@ def _key_window_start(lengths, *, residual_length: int, sliding_keys: bool):
 
 
 def extra_entries(side, lengths, *, residual_length: int, sliding_keys: bool):
-    """The full-precision entries that replace quantized ones: (keys, values [B, H, E, D],
-    positions int32 [B, H, E], used bool [B, H, E]), E = sinks + heavy slots; None if the
-    state has no sinks and no heavy tokens."""
-    ks, vs, pos, used = [], [], [], []
-    B = lengths.shape[0]
-    if side.sink_k is not None:
-        _, H, S, _ = side.sink_k.shape
-        qx = _key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
-        t = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
-        ks.append(side.sink_k)
-        vs.append(side.sink_v)
-        pos.append(t)
-        used.append(t < jnp.minimum(lengths, qx)[:, None, None])
-    if side.heavy_pos is not None:
-        ks.append(side.heavy_k)
-        vs.append(side.heavy_v)
-        pos.append(side.heavy_pos)
-        used.append(side.heavy_pos >= 0)
-    if not ks:
+    """The full-precision entries that replace quantized ones, as the state holds them (the
+    extras: S sinks, then N heavy slots): (keys, values [B, H, E, D], positions int32
+    [B, H, E], used bool [B, H, E]), E = S + N; None if the state has no sinks and no heavy
+    tokens."""
+    if side.extra_k is None:
         return None
-    cat = lambda xs: jnp.concatenate(xs, axis=2)
-    return cat(ks), cat(vs), cat(pos), cat(used)
+    B, H, E, _ = side.extra_k.shape
+    S = side.sinks
+    slot = jnp.arange(E, dtype=jnp.int32)
+    pos = jnp.broadcast_to(slot, (B, H, E))  # a sink's position is its slot
+    used = slot < 0
+    if S:
+        qx = _key_window_start(lengths, residual_length=residual_length, sliding_keys=sliding_keys)
+        used = (slot < S) & (slot < jnp.minimum(lengths, qx)[:, None, None])
+    if side.heavy_pos is not None:
+        heavy_pos = jnp.pad(side.heavy_pos, [(0, 0), (0, 0), (S, 0)])  # [B, H, E]
+        pos = jnp.where(slot < S, pos, heavy_pos)
+        used = used | ((slot >= S) & (heavy_pos >= 0))
+    return side.extra_k, side.extra_v, pos, jnp.broadcast_to(used, (B, H, E))
 
 
-def edit_logits(
-    qs, scores, block_max, k_scale, k_residual, lengths, side, extras, *, k_bits: int,
-    group_size: int, residual_length: int, sliding_keys: bool,
-):  # fmt: skip
-    """The score kernel's logits [B, H, slots, C] and maxima [B, H, slots, M] for a mixed state
-    (module doc): fine channels added (maxima raised by their bound), the ring's exact logits
-    in [Pv, Qk) with sliding keys, -inf at the positions of `extras` (`extra_entries`) in use.
-    qs: f32 [B, H, n_rep, D], the query times q_scale; slots >= n_rep (the slots past n_rep
-    unused). The fine channels and the ring's logits are selects over the logits by token
-    position (one fused pass over them); the extras' -inf one scatter of their positions."""
-    *_, slots, C = scores.shape
-    n_rep = qs.shape[2]
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, slots - n_rep)] + [(0, 0)] * (x.ndim - 3))
-    if side.fine_codes is not None:
-        corr = fine_correction(
-            qs, k_scale, side.fine_codes, side.fine_channels, k_bits=k_bits,
-            group_size=group_size,
-        )  # fmt: skip
-        scores = scores + pad(corr)
-        bound = fine_bound(qs, k_scale, side.fine_channels, k_bits=k_bits)
-        block_max = block_max + pad(bound)[..., None]
-    if sliding_keys:  # token t in [Pv, Qk) reads ring slot t % R
-        t = jnp.arange(C)  # token positions
-        R = residual_length
-        pv = jnp.maximum(lengths - R, 0)[:, None, None, None]
-        qk = (lengths - lengths % R)[:, None, None, None]
-        ring = pad(ring_logits(qs, k_residual))  # [B, H, slots, R]
-        by_token = jnp.tile(ring, (1, 1, 1, -(-C // R)))[..., :C]  # [B, H, slots, C]
-        scores = jnp.where((t >= pv) & (t < qk), by_token, scores)
-    if extras is not None:  # one scatter of B H E entries (a comparison would cost E x C)
-        _, _, pos, used = extras  # [B, H, E]
-        B, H, _ = pos.shape
-        at = jnp.where(used, pos, C)  # C: past the logits, dropped
-        b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-        scores = scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
-    return scores, block_max
+def mask_extras(scores, extras):
+    """The score kernels' logits [B, H, slots, C] with -inf at the positions of `extras`
+    (`extra_entries`, or None) in use: one scatter of B H E entries (a comparison of every
+    position with each would cost E x C a row)."""
+    if extras is None:
+        return scores
+    _, _, pos, used = extras  # [B, H, E]
+    B, H, _ = pos.shape
+    C = scores.shape[3]
+    at = jnp.where(used, pos, C)  # C: past the logits, dropped
+    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    return scores.at[b, h, :, at].set(-jnp.inf, mode="drop")
 
 
 def extras_softmax(qs, extras):

@@ -45,17 +45,23 @@ def row_max(read, P: int, chunk: int):
     )
 
 
-def tail_share(length, qs, kr_ref, vr_ref, logits, *, split, splits, slots, prefetch):
+def tail_share(length, qs, kr_ref, vr_ref, logits, *, split, splits, slots, prefetch,
+               sliding_keys=False):  # fmt: skip
     """A value-kernel program's share of the residual tail, the R tokens [Pv, Pv + R) at ring
     slots t % R: chunks c = split, split + splits, ... (c < R / slots) of `slots` slots each,
     each chunk's keys and values loaded once for all the heads. Per head h, its logits
-    (logits(h, tok) [slots] from the score kernel where t < Qk, else q_h . k_residual), with
+    (logits(h, tok) [slots] from the score kernel where t < Qk, else q_h . k_residual; with
+    `sliding_keys` (a mixed state's keys leave the window with their values) every tail
+    token's from k_residual: Qk taken as Pv, `logits` not read), with
     an online softmax -> (m, sum 2**(s_t - m) v_t [D], sum 2**(s_t - m)), m their max (-1e30
     if none). qs: per head its query times q_scale, float32 [1, D]; kr_ref / vr_ref [R, D]
     (the residual keys and values)."""
     R, D = kr_ref.shape
     n_chunks = R // slots
-    qk, pv = length - length % R, jnp.maximum(length - R, 0)
+    if sliding_keys:
+        qk = pv = jnp.maximum(length - R, 0)
+    else:
+        qk, pv = length - length % R, jnp.maximum(length - R, 0)
     rot = pv % R  # the slot of token pv
 
     def chunk(i):
@@ -81,7 +87,10 @@ def tail_share(length, qs, kr_ref, vr_ref, logits, *, split, splits, slots, pref
         out = []
         for h, (q, (m, o, l_sum)) in enumerate(zip(qs, carry, strict=True)):
             s_res = jnp.sum(k * q, axis=1)  # [slots]
-            s = jnp.where(held, jnp.where(tok < qk, logits(h, tok), s_res), -jnp.inf)
+            if sliding_keys:
+                s = jnp.where(held, s_res, -jnp.inf)
+            else:
+                s = jnp.where(held, jnp.where(tok < qk, logits(h, tok), s_res), -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s))  # finite: m starts at -1e30
             p = jnp.exp2(s - m_new)  # 0 where the logit is -inf
             scale = jnp.exp2(m - m_new)
