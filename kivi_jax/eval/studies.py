@@ -580,14 +580,16 @@ def mix_study(
 
 # Passkey runs these rows of `lean_candidates` only (a passkey cell per setting costs minutes
 # on 2 cores); KIVI-2's and kivi2-mix's rows are the ppl and passkey studies'.
-LEAN_PASSKEY = ("fp", "kivi2-lean")
+LEAN_PASSKEY = ("fp", "kivi2-lean", "kivi2-lean, R 160, no heavy")
 
 
 def lean_candidates() -> dict[str, KiviConfig | None]:
     """The rows of the fewer-bits study (issue 61): fp, kivi2-lean, KIVI-2 with each storage
     option alone (float8 scales and zeros, e4m3 scales with int8 zeros, an e4m3 or int8
-    residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32) and
-    kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets)."""
+    residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32),
+    kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets), and kivi2-lean
+    with its 16 heavy tokens' bits spent on a longer ring (R 160) or on 2 more fine key
+    channels (reallocations within 3.0 bits)."""
     e4m3 = dict(k_scale_format=Format.E4M3, v_scale_format=Format.E4M3)
     int8 = dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8)
     e4m3_ring = dict(residual_format=Format.E4M3)
@@ -601,6 +603,12 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
         "kivi2-mix, 16 heavy": dataclasses.replace(KIVI2_MIX, heavy_tokens=16),
         "kivi2-lean, e4m3 residual": dataclasses.replace(KIVI2_LEAN, **e4m3_ring),
         "kivi2-lean, e4m3 residual and zeros": dataclasses.replace(KIVI2_LEAN, **e4m3_ring, **e4m3),
+        "kivi2-lean, R 160, no heavy": dataclasses.replace(
+            KIVI2_LEAN, residual_length=160, heavy_tokens=0
+        ),
+        "kivi2-lean, 18 fine, no heavy": dataclasses.replace(
+            KIVI2_LEAN, fine_key_channels=18, heavy_tokens=0
+        ),
     }
 
 
