@@ -9,10 +9,10 @@ q, 16-bit `scale` and optional `zero_point` [K / g, N]):
 with o the codes' offset (int4 8, int8 128: q + o is the code's bits with its sign bit
 flipped) and xs[m, g] the group's sum of x. No tensor-core tile, so M is not padded: a
 program owns 32 x `bytes_per_thread` bytes of columns and one split of K, each warp its own
-run of rows; a thread loads 4-16 consecutive bytes of a row straight into registers and turns
-each code into a float32 with ONE instruction (LOP3): masking the code's field out of its
-32-bit word and flipping the field's top bit leaves the bits (q + o) << pos, which read as a
-float32 are the subnormal
+run of rows; a thread reads 4-16 consecutive bytes of a row (staged through shared memory by
+cp.async) and turns each code into a float32 with ONE instruction (LOP3): masking the code's
+field out of its 32-bit word and flipping the field's top bit leaves the bits (q + o) << pos,
+which read as a float32 are the subnormal
 
     (q + o) * 2^(pos - 149)          (pos: the field's lowest bit, FIELDS)
 
