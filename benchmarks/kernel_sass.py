@@ -57,25 +57,37 @@ def triton_ir(tuning: KernelTuning, *, B=8, H=32, n_rep=1, D=128, C=32768, R=128
     return {"score": score, "value": value}
 
 
-def hot_loop(sass: str) -> list[str]:
-    """The instructions (predicates stripped) of the main loop in cuobjdump output: of the
-    loops (backward branches), the one with the most integer dot products or tensor-core
-    mma (IDP, HMMA; the value kernels' loops over their tail share come first and have
-    none)."""
+def loops(sass: str) -> list[list[tuple[int, str]]]:
+    """Each loop in cuobjdump output (a backward branch and what it jumps over) as its
+    (address, instruction) pairs, predicates kept."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2).strip()))
-    loops = []
+    out = []
     for addr, text in ins:
         m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             start = int(m.group(1), 16)
-            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t) for a, t in ins if start <= a <= addr])
-    if not loops:
+            out.append([(a, t) for a, t in ins if start <= a <= addr])
+    return out
+
+
+def strip(loop: list[tuple[int, str]]) -> list[str]:
+    """A loop's instructions with their predicates stripped."""
+    return [re.sub(r"^@!?U?P\w+\s+", "", t) for _, t in loop]
+
+
+def hot_loop(sass: str) -> list[str]:
+    """The instructions (predicates stripped) of the main loop in cuobjdump output: of the
+    loops (backward branches), the one with the most integer dot products or tensor-core
+    mma (IDP, HMMA; the value kernels' loops over their tail share come first and have
+    none)."""
+    found = [strip(loop) for loop in loops(sass)]
+    if not found:
         raise ValueError("no loop found")
-    return max(loops, key=lambda loop: (sum(opcode(t) in ("IDP", "HMMA") for t in loop), len(loop)))
+    return max(found, key=lambda loop: (sum(opcode(t) in ("IDP", "HMMA") for t in loop), len(loop)))
 
 
 def opcode(instruction: str) -> str:

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_sass import compile_sass, opcode
+from kernel_sass import compile_sass, loops, opcode, strip
 from kivi_jax.pallas_kernels.matmul import gemv, gpu
+from triton_fingerprint import lowered_modules  # on the path kernel_sass adds
 
 K, N = 4096, 28672  # Llama-3-8B's w_gate_up [in, out]
 FORMATS = {  # name: (codes, group, zero point)
@@ -47,48 +48,6 @@ CONFIGS = [("gemv", m, name) for m in (1, 2) for name in FORMATS] + [
 ]
 
 
-def triton_ir(fn, args) -> str:
-    """The Triton module of the one Pallas kernel `fn(*args)` lowers to, as text."""
-    from jax._src.pallas.triton import lowering, pallas_call_registration
-    from kivi_jax.pallas_kernels.decode_attention import triton_stages
-
-    triton_stages.install()  # first, so that the module carries its loop's stages
-    captured = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        result = original(*a, **kw)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = capture
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    [module] = captured
-    return module
-
-
-def loops(sass: str) -> list[list[str]]:
-    """Each loop (a backward branch and what it jumps over) as its instructions, predicates
-    kept (a forward branch's target is found by `branch_body`)."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2).strip()))
-    out = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            start = int(m.group(1), 16)
-            out.append([(a, t) for a, t in ins if start <= a <= addr])
-    return out
-
-
 def branch_body(loop: list) -> int:
     """Instructions of the loop's largest forward-skipped region (the small-M kernel's fold,
     run once every few loop steps); 0 where it has none."""
@@ -99,10 +58,6 @@ def branch_body(loop: list) -> int:
         if (m := re.search(r"BRA\s+0x([0-9a-f]+)", text)) and addr < int(m.group(1), 16) <= end
     ]
     return max(spans, default=0)
-
-
-def strip(loop: list) -> list[str]:
-    return [re.sub(r"^@!?U?P\w+\s+", "", t) for _, t in loop]
 
 
 def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
@@ -126,7 +81,7 @@ def analyse(kernel: str, m: int, fmt: str, workdir: Path) -> dict:
         step = gpu.row_step(K, group, t.block_k)
         codes_row, rows_iter, fold = t.block_n / (32 * warps), step, 0  # mma: per thread
     with mock.patch.object(gemv, "MAX_ROWS", 4):  # 3 and 4 rows: built to be counted
-        module = triton_ir(fn, args)
+        [module] = lowered_modules(fn, args)
     info, sass = compile_sass(module, warps, stages, workdir)
     found = loops(sass)
     inner = min(found, key=len)

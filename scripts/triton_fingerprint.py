@@ -44,20 +44,33 @@ CONFIGS = [
 ] + [(8, 8, 4, 128, 32768, 64, bits) for bits in (2, 4)]
 
 
-def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128, tuning=None) -> list[str]:
-    """The Triton modules (text, no locations) of one decode step's kernels, in launch order,
-    with `tuning` (default GpuTuning(); benchmarks/kernel_sass.py passes KernelTunings)."""
+def lowered_modules(fn, args) -> list[str]:
+    """The Triton modules (text, no locations) of the Pallas kernels `fn(*args)` lowers to for
+    CUDA, in launch order (no GPU needed)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     triton_stages.install()  # first, so that the modules carry their loops' stages
     captured = []
     original = lowering.lower_jaxpr_to_triton_module
 
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
+    def capture(*a, **kw):
+        result = original(*a, **kw)
         captured.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
+    lowering.lower_jaxpr_to_triton_module = capture
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
+    return captured
+
+
+def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128, tuning=None) -> list[str]:
+    """The Triton modules (text, no locations) of one decode step's kernels, in launch order,
+    with `tuning` (default GpuTuning(); benchmarks/kernel_sass.py passes KernelTunings)."""
     per = 8 // bits
     dt, u8, sd = jnp.bfloat16, jnp.uint8, jax.ShapeDtypeStruct
     args = [
@@ -76,14 +89,7 @@ def triton_modules(B, H, n_rep, D, C, G, bits, *, R=128, tuning=None) -> list[st
         kivi_decode_attention_gpu, k_bits=bits, v_bits=bits, group_size=G, residual_length=R,
         tuning=GpuTuning() if tuning is None else tuning,
     )  # fmt: skip
-    lowering.lower_jaxpr_to_triton_module = capture
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
-    return captured
+    return lowered_modules(f, args)
 
 
 def fingerprints() -> dict[str, list[str]]:

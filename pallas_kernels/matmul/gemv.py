@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kivi_jax.pallas_kernels.decode_attention import triton_stages
+from kivi_jax.pallas_kernels.matmul.gpu import int4_bytes
 
 # The most rows the kernel takes: each row adds one FMA a code; at 3 rows the compiled loop
 # (5.1 instructions a code with its fold, 255 registers a thread) is the tensor-core kernel's
@@ -337,8 +338,8 @@ def quantized_gemv(
     if reason is not None:
         raise ValueError(f"quantized_gemv: {reason}")
     bits = 4 if qvalue.dtype == jnp.int4 else 8
-    if bits == 4:  # int4 [K, N] -> its bytes [K, N / 2], two codes each (the same memory)
-        qvalue = jax.lax.bitcast_convert_type(qvalue.reshape(k, n // 2, 2), jnp.uint8)
+    if bits == 4:
+        qvalue = int4_bytes(qvalue)
     else:
         qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
     n_bytes = qvalue.shape[1]

@@ -187,6 +187,12 @@ def _kernel(x_ref, q_ref, *refs, step: int, steps: int, per_channel: bool, zero:
         o_ref[:, c] = acc
 
 
+def int4_bytes(qvalue: jax.Array) -> jax.Array:
+    """int4 codes [K, N] as their bytes uint8 [K, N / 2], two codes each (the same memory)."""
+    k, n = qvalue.shape
+    return jax.lax.bitcast_convert_type(qvalue.reshape(k, n // 2, 2), jnp.uint8)
+
+
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def quantized_matmul(
     x: jax.Array,
@@ -217,8 +223,8 @@ def quantized_matmul(
     zero = zero_point is not None
     grouped = [] if per_channel else [scale] + ([zero_point] if zero else [])
     packed = qvalue.dtype == jnp.int4
-    if packed:  # int4 [K, N] -> its bytes [K, N / 2], two codes each (the same memory)
-        qvalue = jax.lax.bitcast_convert_type(qvalue.reshape(k, n // 2, 2), jnp.uint8)
+    if packed:
+        qvalue = int4_bytes(qvalue)
     cols = lambda rows, width=t.block_n: pl.BlockSpec((rows, width), lambda j, s: (0, j))
     kernel = functools.partial(
         _kernel,
