@@ -3,7 +3,7 @@
 One process, one GPU. For each shape (heads of Llama-2-7B, Llama-3-8B and Llama-3-70B; batch x
 context) it
 times KIVI-2, KIVI-4 and kivi2-mix (the Pallas-Triton kernels, split merge included; kivi2-mix
-with its logits edited between them) and two bf16 baselines
+with the -inf at its extras' positions scattered between them) and two bf16 baselines
 over the same context: cuDNN through ``jax.nn.dot_product_attention(implementation="cudnn")``
 and a plain XLA einsum. Every timing runs ``calls`` decode steps on different queries (and,
 where one cache would fit in L2, different caches) inside one jit; the median over ``repeats``
@@ -638,8 +638,10 @@ def write_markdown(result: dict, path: Path) -> None:
             "## kivi2-mix against KIVI-2",
             "",
             "kivi2-mix (`KIVI2_MIX`: 4 sinks, sliding keys, 16 fine key channels, 32 heavy "
-            "tokens) through the same kernels, its logits edited between them "
-            "(`pallas_kernels/decode_attention/mixed.py`); target: at most 1.25x KIVI-2's time.",
+            "tokens) through the same kernels (the fine channels in the score kernels, the "
+            "sliding keys' logits in the value kernels), the -inf at the sinks' and heavy tokens' "
+            "positions scattered between them (`pallas_kernels/decode_attention/mixed.py`); "
+            "target: at most 1.25x KIVI-2's time.",
             "",
             "| shape | KIVI-2 µs | kivi2-mix µs | kivi2-mix / KIVI-2 |",
             "|---|---:|---:|---:|",
