@@ -272,6 +272,22 @@ def test_gguf_pre_tokenizers_of_llama3_and_qwen_split_as_their_regexes(pre, word
     assert [bytes(bytes_to_text[c] for c in w).decode() for w, _ in got] == words
 
 
+@pytest.mark.parametrize("pre, composes", [("qwen2", True), ("llama-bpe", False)])
+def test_gguf_qwen2_tokenizer_composes_text_to_nfc_as_its_tokenizer_json(pre, composes):
+    """Qwen2's tokenizer.json normalizes to NFC before splitting: "e" + a combining acute accent
+    encodes as the precomposed "\u00e9" does. Llama 3's has no normalizer: the bytes as written."""
+    from kivi_jax.loading.tokenizer import tokenizer_from_gguf_fields
+
+    fields = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": _byte_symbols(), "tokenizer.ggml.merges": [],
+    }  # fmt: skip
+    tok = tokenizer_from_gguf_fields(fields)
+    precomposed = tok.encode("caf\u00e9")
+    assert (tok.encode("cafe\u0301") == precomposed) is composes
+    assert tok.decode(precomposed) == "caf\u00e9"
+
+
 def _byte_symbols() -> list[str]:
     """GPT-2's byte-level alphabet: the symbol of byte b at index b."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]

@@ -557,7 +557,9 @@ def test_metrics_move(server):
     )
     bad = 'kivi_requests_total{outcome="invalid"}'
     _http(server.base, "/v1/completions", {"prompt": ""})
-    assert _metrics(server.base)[bad] == after[bad] + 1
+    _http(server.base, "/v1/nowhere", {"prompt": "hi"})  # 404: no such path
+    _http(server.base, "/v1/completions", None)  # 405: GET
+    assert _metrics(server.base)[bad] == after[bad] + 3
 
 
 def test_overload_at_twice_the_capacity_answers_429_and_loses_nothing(server):

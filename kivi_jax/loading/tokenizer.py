@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 # llama.cpp's token types (gguf.TokenType): CONTROL and USER_DEFINED tokens are matched whole.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -44,6 +44,10 @@ _PRE_TOKENIZERS = {
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
 }
+
+# Pre-tokenizers whose models' tokenizer.json normalize the text first: Qwen2's (Qwen2.5, Qwen3)
+# composes it to NFC, so "e" + U+0301 and U+00E9 are the same tokens.
+_NORMALIZERS = {"qwen2": normalizers.NFC}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,8 @@ def tokenizer_from_gguf_fields(fields: dict) -> Tokenizer:
     backend = tokenizers.Tokenizer(
         models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
     )
+    if pre in _NORMALIZERS:
+        backend.normalizer = _NORMALIZERS[pre]()
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     special = [t for t, ty in zip(tokens, types, strict=True) if ty in (_CONTROL, _USER_DEFINED)]

@@ -519,7 +519,9 @@ def create_app(engine, tokenizer, *, model_name: str, max_len: int,
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):
-        """Starlette's own 404 (no such path) and 405 (a method the path does not take)."""
+        """Starlette's own 404 (no such path) and 405 (a method the path does not take), counted
+        as invalid requests like the server's own 4xx."""
+        server.metrics.outcome("invalid")
         where = f"{request.method} {request.url.path}"
         if e.status_code == 404:
             message = f"{where}: no such path; see GET /v1/models, POST /v1/completions, "
