@@ -10,11 +10,9 @@ channels, 2 query heads each, 256 tokens, bf16):
 * `step`: the StableHLO of one layer's step (kivi_jax.append, then kivi_jax.decode_attention)
   as a GPU runs it: traced with the dispatch seeing a GPU (the fused append where it applies,
   the Pallas kernels) and lowered for "cuda". Operations by kind, before XLA's fusion.
-* `cpu`: the XLA a mixed state adds to that step, compiled for the CPU: the score of the token
-  leaving the window, between the append and the heavy merge kernels
-  (`kivi_jax.cache._leaving_token_score`), and the XLA around the attention kernels (the
-  fine channels' weights, the extras' -inf in the logits and their softmax:
-  `pallas_kernels/decode_attention/mixed.py`); and, for
+* `cpu`: the XLA a mixed state adds to that step, compiled for the CPU: the XLA around the
+  attention kernels (the fine channels' weights, the extras' -inf in the logits and their
+  softmax: `pallas_kernels/decode_attention/mixed.py`); and, for
   comparison, the XLA append of one token (the path off the GPU, where the fused append does
   not apply): the optimized HLO's fusions, copies and unfused operations. XLA fuses
   differently on the GPU; the counts compare states.
@@ -39,7 +37,6 @@ import jax.numpy as jnp
 from kivi_jax.pallas_kernels.decode_attention import mixed
 
 import kivi_jax
-from kivi_jax import cache as cache_module
 from kivi_jax.generate import resolve_kv
 
 SHAPE = dict(batch=2, num_kv_heads=2, head_dim=64, max_len=256)
@@ -119,26 +116,6 @@ def cpu_append(kv: str) -> collections.Counter:
     return _optimized_counts(step, _abstract(_state(kv)), q, x, x, donate=True)
 
 
-def cpu_leaving_score(kv: str) -> collections.Counter | None:
-    """A mixed state's score of the token leaving the window (between the append and the
-    heavy merge kernels), compiled for the CPU; None for a state without heavy tokens."""
-    state = _state(kv)
-    if state.side is None or state.side.heavy_pos is None:
-        return None
-    b, h, d = SHAPE["batch"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
-    row = jax.ShapeDtypeStruct((b, h, d), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((b,), jnp.int32)
-
-    def score(state, k_leave, v_leave, old, fits):
-        arrays = {f: getattr(state, f) for f in cache_module._APPEND_FIELDS}
-        arrays |= {f: getattr(state.side, f) for f in cache_module._APPEND_SIDE_FIELDS}
-        return cache_module._leaving_token_score(
-            state.config, arrays, k_leave, v_leave, old, fits, state.k_residual.dtype
-        )
-
-    return _optimized_counts(score, _abstract(state), row, row, rows, rows, donate=False)
-
-
 def cpu_around_attention(kv: str) -> collections.Counter | None:
     """A mixed state's XLA around the attention kernels (the fine channels' weights the score
     kernel reads, the -inf at the full-precision entries' positions, their partial softmax),
@@ -166,13 +143,11 @@ def cpu_around_attention(kv: str) -> collections.Counter | None:
 
 
 def census() -> dict:
-    """{kv: {"step": StableHLO kinds, "cpu_leaving_score": ..., "cpu_around_attention": ...,
-    "cpu_xla_append": ...}}."""
+    """{kv: {"step": StableHLO kinds, "cpu_around_attention": ..., "cpu_xla_append": ...}}."""
     out = {}
     for kv in KVS:
         step = count_stablehlo(step_stablehlo(kv))
         parts = dict(
-            cpu_leaving_score=cpu_leaving_score(kv),
             cpu_around_attention=cpu_around_attention(kv),
             cpu_xla_append=cpu_append(kv),
         )
@@ -196,7 +171,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {kv} | " + " | ".join(str(r["step"][k]) for k in r["step"]) + " |")
     lines += ["", "Compiled for the CPU (optimized HLO, entry instructions):", ""]
     for kv, r in result.items():
-        for part in ("cpu_leaving_score", "cpu_around_attention", "cpu_xla_append"):
+        for part in ("cpu_around_attention", "cpu_xla_append"):
             if r[part] is not None:
                 ops = ", ".join(f"{n} {k}" for k, n in r[part].items())
                 lines.append(f"- {kv}, {part[4:].replace('_', ' ')}: {ops}")

@@ -635,8 +635,8 @@ _APPEND_FIELDS = (
 def _append_kernel_supports(cache: KiviCache) -> bool:
     """Every float in the cache dtype, 2/4-bit codes, power-of-two head_dim, G and R; plain
     KIVI, or a mixed state whose parts the kernel writes: S sinks a power of two, F fine key
-    channels a multiple of 16, heavy tokens chosen by ERROR (scored by XLA, merged by a second
-    kernel) or none."""
+    channels a multiple of 16, heavy tokens chosen by ERROR (scored and merged by the kernel) or
+    none."""
     cfg, d = cache.config, cache.head_dim
     pow2 = lambda x: (x & (x - 1)) == 0
     plain = (
@@ -662,15 +662,17 @@ def _append_kernel_applies(cache: KiviCache) -> bool:
     return jax.default_backend() == "gpu" and _append_kernel_supports(cache)
 
 
-# The mixed state's parts the append kernel writes (the heavy slots: the heavy merge kernel).
+# The mixed state's parts the append kernel writes (and heavy_pos, heavy_score where it has
+# heavy tokens).
 _APPEND_SIDE_FIELDS = ("extra_k", "extra_v", "fine_codes", "fine_channels")
+_APPEND_HEAVY_FIELDS = ("heavy_pos", "heavy_score")
 
 
 def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = False) -> dict:
     """The arrays after one token per row (k, v [B, H, D]; fits [B] in {0, 1}): the append
-    kernel; for a mixed state with heavy tokens, the leaving token's score (XLA) and the heavy
-    merge kernel after it."""
-    from kivi_jax.pallas_kernels.append.gpu import append_kernel, heavy_merge_kernel
+    kernel (for a mixed state with heavy tokens, the leaving token's score and its merge into
+    the heavy slots too)."""
+    from kivi_jax.pallas_kernels.append.gpu import append_kernel
 
     cfg, side = cache.config, cache.side
     arrays = [getattr(cache, n) for n in _APPEND_FIELDS]
@@ -681,45 +683,12 @@ def _append_with_kernel(cache: KiviCache, k, v, old, fits, *, interpret: bool = 
     if side is None:
         out = append_kernel(*arrays, old, fits, k, v, **config)
         return dict(zip(_APPEND_FIELDS, out, strict=True))
-    parts = tuple(getattr(side, n) for n in _APPEND_SIDE_FIELDS)
-    *out, k_leave, v_leave = append_kernel(
-        *arrays, old, fits, k, v, parts, sinks=cfg.sinks, **config
-    )
-    updated = dict(zip(_APPEND_FIELDS + _APPEND_SIDE_FIELDS, out, strict=True))
-    parts = {n: updated.pop(n) for n in _APPEND_SIDE_FIELDS}
-    if cfg.heavy_tokens:
-        pos, leaving, score = _leaving_token_score(
-            cfg, {**updated, **parts}, k_leave, v_leave, old, fits, cache.dtype
-        )
-        fields = ("extra_k", "extra_v", "heavy_pos", "heavy_score")
-        cast = lambda x: x.astype(side.extra_k.dtype)
-        heavy = heavy_merge_kernel(
-            parts["extra_k"], parts["extra_v"], side.heavy_pos, side.heavy_score,
-            leaving.astype(jnp.int32), pos, score, cast(k_leave), cast(v_leave),
-            interpret=interpret,
-        )  # fmt: skip
-        parts |= dict(zip(fields, heavy, strict=True))
+    fields = _APPEND_SIDE_FIELDS + (_APPEND_HEAVY_FIELDS if cfg.heavy_tokens else ())
+    parts = tuple(getattr(side, n) for n in fields)
+    out = append_kernel(*arrays, old, fits, k, v, parts, sinks=cfg.sinks, **config)
+    updated = dict(zip(_APPEND_FIELDS + fields, out, strict=True))
+    parts = {n: updated.pop(n) for n in fields}
     return updated | dict(side=dataclasses.replace(side, **parts))
-
-
-def _leaving_token_score(cfg: KiviConfig, arrays: dict, k_leave, v_leave, old, fits, dtype):
-    """The ERROR score of each row's token t - R (t = old), which left the value window with
-    key and value k_leave, v_leave [B, H, D] (read from the rings; `arrays` the state after the
-    step), as `_extend_kivi` scores it: (its position [B], whether it is a candidate [B],
-    float32 score [B, H], a NaN taken as +inf); `dtype` the cache dtype."""
-    r, g = cfg.residual_length, cfg.group_size
-    pos = jnp.maximum(old - r, 0)  # [B]
-    leaving = (fits > 0) & (old - r >= 0) & (pos >= cfg.sinks)
-    at = pos[:, None]  # [B, 1]
-    k_leave, v_leave = (x[:, :, None].astype(jnp.float32) for x in (k_leave, v_leave))
-    k_hat = _keys_at(cfg, arrays, at, dtype)  # [B, H, 1, D]
-    codes = quantization.unpack_codes(_gather(arrays["v_codes"], at), cfg.v_bits, axis=3)
-    v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
-    v_hat = quantization.dequantize(
-        codes, _gather(arrays["v_scale"], at), _gather(arrays["v_zero"], at), g, 3, v_params
-    )
-    score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
-    return pos, leaving, jnp.where(jnp.isnan(score), jnp.inf, score)[:, :, 0]
 
 
 # An index that `_scatter` drops (mode="drop" discards out-of-range writes).

@@ -179,6 +179,33 @@ def test_generate_with_the_kernel_gives_the_tokens_of_the_xla_append(monkeypatch
     np.testing.assert_array_equal(got, want)
 
 
+def _crafted_heavy_slots(cache, scores, rng):
+    """`cache` (a MIXED state) with random heavy slots: each row's filled to a random count
+    (even rows full) with sorted positions in [S, p) (p = l - R, the token leaving next),
+    random keys and values, and scores drawn from {0, 1, 2, +inf} and the row's `scores` [B, H]
+    (ties with the candidate)."""
+    side = cache.side
+    B, H, N = side.heavy_pos.shape
+    S, R = side.sinks, cache.config.residual_length
+    pos = np.full((B, H, N), -1, np.int32)
+    score = np.full((B, H, N), -np.inf, np.float32)
+    extra_k, extra_v = np.array(side.extra_k, np.float32), np.array(side.extra_v, np.float32)
+    for b in range(B):
+        p = int(cache.lengths[b]) - R
+        for h in range(H):
+            c = N if b % 2 == 0 else int(rng.integers(0, N + 1))
+            pos[b, h, :c] = np.sort(rng.choice(np.arange(S, p), c, replace=False))
+            score[b, h, :c] = rng.choice([0.0, 1.0, 2.0, np.inf, float(scores[b, h])], c)
+            extra_k[b, h, S + c :] = extra_v[b, h, S + c :] = 0
+            extra_k[b, h, S : S + c], extra_v[b, h, S : S + c] = rng.normal(size=(2, c, 64))
+    dt = side.extra_k.dtype
+    side = dataclasses.replace(
+        side, heavy_pos=jnp.asarray(pos), heavy_score=jnp.asarray(score),
+        extra_k=jnp.asarray(extra_k, dt), extra_v=jnp.asarray(extra_v, dt),
+    )  # fmt: skip
+    return dataclasses.replace(cache, side=side)
+
+
 @pytest.mark.parametrize(
     "interpret",
     [
@@ -186,18 +213,35 @@ def test_generate_with_the_kernel_gives_the_tokens_of_the_xla_append(monkeypatch
         pytest.param(False, id="gpu", marks=[pytest.mark.gpu, needs_gpu]),
     ],
 )
-def test_the_heavy_merge_kernel_keeps_the_slots_the_xla_merge_keeps(interpret):
-    from kivi_jax.pallas_kernels.append.gpu import heavy_merge_kernel
-    from test_cache_mixed import _heavy_slots
-
-    side, c = _heavy_slots(np.random.default_rng(2), 32, 2, 4, 64, sinks=2)
-    want = kc._merge_one_heavy(side, c["k"], c["v"], c["pos"], c["score"], c["valid"], 4)
-    fields = ("extra_k", "extra_v", "heavy_pos", "heavy_score")
-    score = jnp.where(jnp.isnan(c["score"]), jnp.inf, c["score"])[:, :, 0]
-    got = heavy_merge_kernel(
-        *(getattr(side, f) for f in fields), c["valid"][:, 0, 0].astype(jnp.int32),
-        c["pos"][:, 0, 0], score, c["k"][:, :, 0], c["v"][:, :, 0], interpret=interpret,
+def test_the_kernel_scores_and_merges_the_leaving_token_as_the_xla_append_does(
+    monkeypatch, interpret
+):
+    # every row's token t - R leaves the window (a candidate) into heavy slots full (even rows)
+    # or not, whose scores tie with the candidate's, lie above or below it; a NaN in one
+    # candidate's key (scored +inf); one row inactive
+    rng = np.random.default_rng(11)
+    R, S = MIXED.residual_length, MIXED.sinks
+    lengths = R + S + 20 + rng.choice(MAX_LEN - R - S - 21, 8, replace=False)
+    cache = _state(MIXED, lengths, 2, 64, MAX_LEN, jnp.bfloat16, rng)
+    k_new = jnp.asarray(rng.standard_normal((8, 2, 64)) * 3, jnp.bfloat16)
+    v_new = jnp.asarray(rng.standard_normal((8, 2, 64)), jnp.bfloat16)
+    active = jnp.asarray(np.arange(8) != 5)
+    step = jax.jit(lambda c: kivi_jax.append(c, k_new, v_new, active=active))
+    # the candidates' scores: what the XLA append writes into empty slots
+    empty = dataclasses.replace(
+        cache.side,
+        heavy_pos=jnp.full_like(cache.side.heavy_pos, -1),
+        heavy_score=jnp.full_like(cache.side.heavy_score, -jnp.inf),
     )  # fmt: skip
-    # the merged slots after the extras' 2 sinks, which stay as they were
-    want = kc._into_extras(side, want)
-    _assert_same_state(dict(zip(fields, got, strict=True)), {f: want[f] for f in fields})
+    with monkeypatch.context() as m:
+        _use_xla_append(m)
+        jax.clear_caches()
+        scores = step(dataclasses.replace(cache, side=empty)).side.heavy_score[:, :, 0]
+    cache = _crafted_heavy_slots(cache, np.asarray(scores), rng)
+    leaving = (lengths[3] - R) % R
+    cache = dataclasses.replace(cache, k_residual=cache.k_residual.at[3, 1, leaving, 7].set(np.nan))
+    want, got = _both_ways(monkeypatch, lambda: step(cache), interpret=interpret)
+    _assert_same_state(got, want)
+    entered = np.any(np.asarray(want.side.heavy_pos) != np.asarray(cache.side.heavy_pos), axis=2)
+    assert entered.any() and not entered.all()  # candidates entered and stayed out
+    assert np.asarray(want.side.heavy_score)[3, 1].max() == np.inf  # the NaN one, kept
