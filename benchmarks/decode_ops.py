@@ -34,13 +34,14 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
-from kivi_jax.pallas_kernels.decode_attention import mixed
+from kivi_jax.pallas_kernels.decode_attention import gpu, mixed
 
 import kivi_jax
 from kivi_jax.generate import resolve_kv
 
 SHAPE = dict(batch=2, num_kv_heads=2, head_dim=64, max_len=256)
 N_REP = 2
+SPLITS = 4  # the value kernel's token splits a row (cpu_around_attention)
 KVS = ("kivi2", "kivi2-mix")
 # The StableHLO kinds reported (every other operation is elementwise, a reshape, a broadcast,
 # a slice or a constant: fused on a GPU).
@@ -118,8 +119,9 @@ def cpu_append(kv: str) -> collections.Counter:
 
 def cpu_around_attention(kv: str) -> collections.Counter | None:
     """A mixed state's XLA around the attention kernels (the fine channels' weights the score
-    kernel reads, the -inf at the full-precision entries' positions, their partial softmax),
-    compiled for the CPU; None for a plain state."""
+    kernel reads, the -inf at the full-precision entries' positions, their partial softmax and
+    the merge of the value kernel's SPLITS splits with it), compiled for the CPU; None for a
+    plain state."""
     state = _state(kv)
     if state.side is None:
         return None
@@ -129,17 +131,19 @@ def cpu_around_attention(kv: str) -> collections.Counter | None:
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     window = dict(residual_length=cfg.residual_length, sliding_keys=cfg.sliding_keys)
 
-    def edits(scores, qs, state):  # the logits donated, as the score kernel's output is
-        side = state.side
+    def edits(scores, qs, state, m, o, o_tail, l_sum):  # the logits donated, as the score
+        side = state.side  # kernel's output is
         fine = mixed.fine_operands(
             qs, state.k_scale, side.fine_codes, side.fine_channels, k_bits=cfg.k_bits
         )
         extras = mixed.extra_entries(side, state.lengths, **window)
         scores = mixed.mask_extras(scores, extras)
-        return fine.weights, scores, mixed.extras_softmax(qs, extras)
+        extra = mixed.extras_softmax(qs, extras)
+        return fine.weights, scores, gpu._merge_splits(m, o, o_tail, l_sum, extra)
 
-    args = (f32(b, h, N_REP, c), f32(b, h, N_REP, d))
-    return _optimized_counts(edits, *args, _abstract(state), donate=True)
+    splits = (f32(b, h, N_REP, SPLITS), f32(b, h, N_REP, SPLITS, d))
+    args = (f32(b, h, N_REP, c), f32(b, h, N_REP, d), _abstract(state))
+    return _optimized_counts(edits, *args, *splits, splits[1], splits[0], donate=True)
 
 
 def census() -> dict:

@@ -240,6 +240,29 @@ def test_splits_merge_into_one_softmax(rng, S):
     assert not np.asarray(out[3]).any()
 
 
+def test_an_extra_split_merges_as_one_more_split(rng):
+    """_merge_splits' `extra` (a mixed state's full-precision entries, mixed.extras_softmax:
+    m, o, l without the split axis) gives what one more split with no tail gives: above the
+    splits' maxima, below them, and empty (m = -1e30, zero sums)."""
+    rows, S, D = 3, 4, 8
+    m = rng.normal(size=(rows, S)).astype(np.float32) * 4
+    o, o_tail = (rng.normal(size=(rows, S, D)).astype(np.float32) for _ in range(2))
+    l_sum = rng.uniform(0.5, 2.0, size=(rows, S)).astype(np.float32)
+    m_e = np.array([m[0].max() + 3, m[1].min() - 3, -1e30], np.float32)
+    o_e = rng.normal(size=(rows, D)).astype(np.float32)
+    l_e = np.array([1.5, 0.7, 0.0], np.float32)
+    o_e[2] = 0
+    extra = tuple(jnp.asarray(x) for x in (m_e, o_e, l_e))
+    got = _merge_splits(*(jnp.asarray(x) for x in (m, o, o_tail, l_sum)), extra)
+    joined = (
+        np.concatenate([m, m_e[:, None]], 1), np.concatenate([o, o_e[:, None]], 1),
+        np.concatenate([o_tail, np.zeros((rows, 1, D), np.float32)], 1),
+        np.concatenate([l_sum, l_e[:, None]], 1),
+    )  # fmt: skip
+    want = _merge_splits(*(jnp.asarray(x) for x in joined))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def _check(q, cache, *, interpret, tuning=None):
     out = decode_attention_pallas(q, cache, interpret=interpret, tuning=tuning or KernelTuning())
     assert_matches_reference(out, q, cache)

@@ -41,13 +41,16 @@ def test_kivi2_mix_step_is_kivi2s_kernels_and_small_xla_around_them(counts):
 
 @pytest.mark.parametrize(
     "kind, bound",
-    [("transpose", 0), ("gather", 2), ("dot_general", 2), ("reduce", 6),
-     ("concatenate", 5), ("total", 195)],
+    [("transpose", 0), ("gather", 2), ("dot_general", 0), ("reduce", 8),
+     ("concatenate", 1), ("total", 210)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 192; kivi2: 64), a little slack on the total only; the
+    # the counts at jax 0.10.2 (total: 207; kivi2: 64), a little slack on the total only; the
     # fine channels' correction is in the score kernel (no transpose), the sliding keys' logits
     # in the value kernel (no pass over the logits, no dot of the ring), the sinks and heavy
     # tokens one array (not joined each step: 4 concatenations fewer), the leaving token's
-    # score in the append kernel (no gathers of its codes, 234 operations fewer)
+    # score in the append kernel (no gathers of its codes, 234 operations fewer), the extras'
+    # partial softmax as products summed (no dot; 2 reductions, 15 elementwise operations
+    # more) merged without joining it to the splits (the one concatenation left: the
+    # scatter's indices)
     assert counts["kivi2-mix"][kind] <= bound

@@ -1115,25 +1115,31 @@ def kivi_decode_attention_gpu(
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning,
         sliding_keys=sliding_keys, **common,
     )  # fmt: skip
-    if extras is not None:  # one more split: the full-precision entries (no tail)
-        m_e, o_e, l_e = mixed.extras_softmax(qs, extras)
-        m, l_sum = jnp.concatenate([m, m_e], -1), jnp.concatenate([l_sum, l_e], -1)
-        o = jnp.concatenate([o, o_e], -2)
-        o_tail = jnp.concatenate([o_tail, jnp.zeros_like(o_e)], -2)
-    return _merge_splits(m, o, o_tail, l_sum).reshape(B, Hq, D).astype(q.dtype)
+    # one more split: the full-precision entries (no tail)
+    extra = None if extras is None else mixed.extras_softmax(qs, extras)
+    return _merge_splits(m, o, o_tail, l_sum, extra).reshape(B, Hq, D).astype(q.dtype)
 
 
-def _merge_splits(m, o, o_tail, l_sum):
+def _merge_splits(m, o, o_tail, l_sum, extra=None):
     """The value kernel's per-split partial softmaxes (`weighted_values`: m and l_sum
     [..., S], o and o_tail [..., S, D]) rescaled to their largest max and merged -> [..., D]
     float32. A split without tokens has zero sums (and m the row's quantized max, or -1e30
     where the row has no quantized keys and the split no tail chunk); an empty row has
     m = -1e30 in every split, so weights of 1 on zero sums, and gives zeros. Written as sums
     over S, which XLA makes one reduction fusion (~2 µs on the H200 at every S the kernels
-    use; elementwise over the S slices was slower from S = 8 on, docs/history.md G10)."""
-    w = jnp.exp2(m - jnp.max(m, axis=-1, keepdims=True))  # [..., S]
+    use; elementwise over the S slices was slower from S = 8 on, docs/history.md G10).
+    extra: one more split's (m [...], o [..., D], l [...]) (`mixed.extras_softmax`), added to
+    the sums (not joined to the splits' arrays: a copy of o a layer)."""
+    top = jnp.max(m, axis=-1, keepdims=True)
+    if extra is not None:
+        m_e, o_e, l_e = extra
+        top = jnp.maximum(top, m_e[..., None])
+    w = jnp.exp2(m - top)  # [..., S]
     num = jnp.sum(w[..., None] * (o + o_tail), axis=-2)
     den = jnp.sum(w * l_sum, axis=-1)[..., None]
+    if extra is not None:
+        w_e = jnp.exp2(m_e[..., None] - top)  # [..., 1]
+        num, den = num + w_e * o_e, den + w_e * l_e[..., None]
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # length 0 -> zeros
 
 
