@@ -632,11 +632,16 @@ _APPEND_FIELDS = (
 )  # fmt: skip
 
 
+# The most heavy slots the append kernel merges into: it shifts them in registers (every slot
+# loaded before any is stored), 255 registers a thread at 32 (KIVI2_MIX) on sm_90a.
+_KERNEL_HEAVY_TOKENS = 32
+
+
 def _append_kernel_supports(cache: KiviCache) -> bool:
     """Every float in the cache dtype, 2/4-bit codes, power-of-two head_dim, G and R; plain
     KIVI, or a mixed state whose parts the kernel writes: S sinks a power of two, F fine key
-    channels a multiple of 16, heavy tokens chosen by ERROR (scored and merged by the kernel) or
-    none."""
+    channels a multiple of 16, heavy tokens chosen by ERROR (scored and merged by the kernel:
+    a power of two up to _KERNEL_HEAVY_TOKENS) or none."""
     cfg, d = cache.config, cache.head_dim
     pow2 = lambda x: (x & (x - 1)) == 0
     plain = (
@@ -654,6 +659,7 @@ def _append_kernel_supports(cache: KiviCache) -> bool:
         and cfg.fine_key_channels >= 16
         and pow2(cfg.fine_key_channels)
         and (cfg.heavy_tokens == 0 or pow2(cfg.heavy_tokens))
+        and cfg.heavy_tokens <= _KERNEL_HEAVY_TOKENS
         and not cfg.needs_queries
     )
 

@@ -157,6 +157,14 @@ def test_the_kernel_appends_to_a_mixed_state_what_the_xla_append_does(
                   active=active, H=2, interpret=interpret)  # fmt: skip
 
 
+def test_the_kernel_takes_the_shipped_heavy_slots_and_no_more():
+    init = lambda cfg: kivi_jax.init_cache(cfg, batch=1, max_len=256, num_kv_heads=1, head_dim=64)
+    assert kc._append_kernel_supports(init(kivi_jax.KIVI2_MIX))  # 32 heavy tokens
+    assert not kc._append_kernel_supports(
+        init(dataclasses.replace(kivi_jax.KIVI2_MIX, heavy_tokens=64))
+    )
+
+
 def test_the_kernel_is_used_only_on_a_gpu():
     cache = kivi_jax.init_cache(
         kivi_jax.KIVI2, batch=1, max_len=64, num_kv_heads=1, head_dim=64, dtype=jnp.float32
@@ -183,7 +191,8 @@ def _crafted_heavy_slots(cache, scores, rng):
     """`cache` (a MIXED state) with random heavy slots: each row's filled to a random count
     (even rows full) with sorted positions in [S, p) (p = l - R, the token leaving next),
     random keys and values, and scores drawn from {0, 1, 2, +inf} and the row's `scores` [B, H]
-    (ties with the candidate)."""
+    (ties with the candidate); rows 0 and 4 only from {+inf, its score} (no slot below the
+    candidate: it stays out), row 2 only from {0, 1, 2} (every slot finite)."""
     side = cache.side
     B, H, N = side.heavy_pos.shape
     S, R = side.sinks, cache.config.residual_length
@@ -195,7 +204,10 @@ def _crafted_heavy_slots(cache, scores, rng):
         for h in range(H):
             c = N if b % 2 == 0 else int(rng.integers(0, N + 1))
             pos[b, h, :c] = np.sort(rng.choice(np.arange(S, p), c, replace=False))
-            score[b, h, :c] = rng.choice([0.0, 1.0, 2.0, np.inf, float(scores[b, h])], c)
+            draw = {0: [np.inf, float(scores[b, h])], 2: [0.0, 1.0, 2.0]}.get(
+                b % 4 if b % 4 == 0 else b, [0.0, 1.0, 2.0, np.inf, float(scores[b, h])]
+            )
+            score[b, h, :c] = rng.choice(draw, c)
             extra_k[b, h, S + c :] = extra_v[b, h, S + c :] = 0
             extra_k[b, h, S : S + c], extra_v[b, h, S : S + c] = rng.normal(size=(2, c, 64))
     dt = side.extra_k.dtype
@@ -217,8 +229,9 @@ def test_the_kernel_scores_and_merges_the_leaving_token_as_the_xla_append_does(
     monkeypatch, interpret
 ):
     # every row's token t - R leaves the window (a candidate) into heavy slots full (even rows)
-    # or not, whose scores tie with the candidate's, lie above or below it; a NaN in one
-    # candidate's key (scored +inf); one row inactive
+    # or not, whose scores tie with the candidate's, lie above or below it (rows 0 and 4: none
+    # below, so it stays out); a NaN in the key of row 2's candidate, whose full slots are all
+    # finite (scored +inf, it enters); one row inactive
     rng = np.random.default_rng(11)
     R, S = MIXED.residual_length, MIXED.sinks
     lengths = R + S + 20 + rng.choice(MAX_LEN - R - S - 21, 8, replace=False)
@@ -238,10 +251,13 @@ def test_the_kernel_scores_and_merges_the_leaving_token_as_the_xla_append_does(
         jax.clear_caches()
         scores = step(dataclasses.replace(cache, side=empty)).side.heavy_score[:, :, 0]
     cache = _crafted_heavy_slots(cache, np.asarray(scores), rng)
-    leaving = (lengths[3] - R) % R
-    cache = dataclasses.replace(cache, k_residual=cache.k_residual.at[3, 1, leaving, 7].set(np.nan))
+    leaving = (lengths[2] - R) % R
+    cache = dataclasses.replace(cache, k_residual=cache.k_residual.at[2, 1, leaving, 7].set(np.nan))
     want, got = _both_ways(monkeypatch, lambda: step(cache), interpret=interpret)
     _assert_same_state(got, want)
     entered = np.any(np.asarray(want.side.heavy_pos) != np.asarray(cache.side.heavy_pos), axis=2)
-    assert entered.any() and not entered.all()  # candidates entered and stayed out
-    assert np.asarray(want.side.heavy_score)[3, 1].max() == np.inf  # the NaN one, kept
+    live = np.asarray(active)
+    assert entered[live].any() and not entered[live].all()  # candidates entered and stayed out
+    assert not entered[[0, 4]].any() and not entered[5].any()
+    taken = np.asarray(want.side.heavy_pos)[2, 1] == lengths[2] - R  # the NaN one, kept as +inf
+    assert taken.sum() == 1 and np.asarray(want.side.heavy_score)[2, 1][taken][0] == np.inf

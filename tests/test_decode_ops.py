@@ -1,9 +1,7 @@
 """The operations of one layer's decode step as a GPU runs it, counted from its StableHLO
 (lowered for cuda on the CPU; benchmarks/decode_ops.py): a mixed state's step runs KIVI-2's
 three kernels (its append scores and merges the heavy tokens), no sort and one small scatter,
-and no more
-operations than these bounds, so that its kernel count cannot creep back (issue 65: kivi2-mix
-ran ~2,000 extra small kernels a step)."""
+and no more operations than these bounds, so that its kernel count cannot creep back."""
 
 import sys
 from pathlib import Path
@@ -45,12 +43,10 @@ def test_kivi2_mix_step_is_kivi2s_kernels_and_small_xla_around_them(counts):
      ("concatenate", 1), ("total", 210)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 207; kivi2: 64), a little slack on the total only; the
-    # fine channels' correction is in the score kernel (no transpose), the sliding keys' logits
-    # in the value kernel (no pass over the logits, no dot of the ring), the sinks and heavy
-    # tokens one array (not joined each step: 4 concatenations fewer), the leaving token's
-    # score in the append kernel (no gathers of its codes, 234 operations fewer), the extras'
-    # partial softmax as products summed (no dot; 2 reductions, 15 elementwise operations
-    # more) merged without joining it to the splits (the one concatenation left: the
+    # the counts at jax 0.10.2 (total: 207; kivi2: 64), a little slack on the total only: the
+    # fine channels' correction in the score kernel (no transpose), the sliding keys' logits in
+    # the value kernel (no dot of the ring), the sinks and heavy tokens one array (not joined
+    # each step), the leaving token's score in the append kernel, the extras' partial softmax
+    # as products summed (no dot) and merged as a term of its own (the one concatenation: the
     # scatter's indices)
     assert counts["kivi2-mix"][kind] <= bound

@@ -1129,7 +1129,7 @@ def _merge_splits(m, o, o_tail, l_sum, extra=None):
     over S, which XLA makes one reduction fusion (~2 µs on the H200 at every S the kernels
     use; elementwise over the S slices was slower from S = 8 on, docs/history.md G10).
     extra: one more split's (m [...], o [..., D], l [...]) (`mixed.extras_softmax`), added to
-    the sums (not joined to the splits' arrays: a copy of o a layer)."""
+    the sums as a term of its own."""
     top = jnp.max(m, axis=-1, keepdims=True)
     if extra is not None:
         m_e, o_e, l_e = extra

@@ -149,12 +149,14 @@ def extras_softmax(qs, extras):
     """The partial softmax of the full-precision entries that replace quantized ones
     (`extra_entries`), in the value kernels' form (one split): m [B, H, n_rep] (-1e30 if none
     is used), sum_e 2**(s_e - m) v_e [B, H, n_rep, D] and sum_e 2**(s_e - m) [B, H, n_rep].
-    Products summed over D and over E, not dots (XLA fuses them with the exponentials into
-    reductions; two batched dots were a small gemm kernel each)."""
+    Products summed over D and over E, which XLA fuses with the exponentials into
+    reductions. An unused entry weighs 0 and its value is read as 0 (a slot past the row's
+    entries may hold anything, a non-finite value included)."""
     k, v, _, used = extras
     s = jnp.sum(qs[:, :, :, None, :] * k[:, :, None].astype(jnp.float32), axis=-1)  # [.., E]
     s = jnp.where(used[:, :, None], s, -jnp.inf)
     m = jnp.maximum(jnp.max(s, axis=-1), loops.NEG_INIT)  # [B, H, n_rep]
     p = jnp.exp2(s - m[..., None])  # 0 where unused
-    o = jnp.sum(p[..., None] * v[:, :, None].astype(jnp.float32), axis=-2)
+    v = jnp.where(used[..., None], v.astype(jnp.float32), 0.0)  # [B, H, E, D]
+    o = jnp.sum(p[..., None] * v[:, :, None], axis=-2)
     return m, o, jnp.sum(p, axis=-1)
