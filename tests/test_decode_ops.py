@@ -40,10 +40,10 @@ def test_kivi2_mix_step_is_kivi2s_kernels_and_small_xla_around_them(counts):
 @pytest.mark.parametrize(
     "kind, bound",
     [("transpose", 0), ("gather", 2), ("dot_general", 0), ("reduce", 8),
-     ("concatenate", 1), ("total", 210)],
+     ("concatenate", 1), ("total", 215)],
 )  # fmt: skip
 def test_kivi2_mix_step_stays_within_its_operation_counts(counts, kind, bound):
-    # the counts at jax 0.10.2 (total: 207; kivi2: 64), a little slack on the total only: the
+    # the counts at jax 0.10.2 (total: 212; kivi2: 64), a little slack on the total only: the
     # fine channels' correction in the score kernel (no transpose), the sliding keys' logits in
     # the value kernel (no dot of the ring), the sinks and heavy tokens one array (not joined
     # each step), the leaving token's score in the append kernel, the extras' partial softmax
