@@ -26,10 +26,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from kivi_jax.pallas_kernels import triton_stages
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     kivi_decode_attention_gpu,
-    triton_stages,
 )
 
 FILE = Path(__file__).with_suffix(".json")

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_matches_reference, random_layout_cache, streamed_cache, triton_modules
+from kivi_jax.pallas_kernels import triton_stages
 from kivi_jax.pallas_kernels.decode_attention import (
     GpuTuning,
     decode_attention_pallas,
     kivi_decode_attention_gpu,
     supported_config_reason,
-    triton_stages,
 )
 from kivi_jax.pallas_kernels.decode_attention.gpu import (
     KernelTuning,

@@ -82,6 +82,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from kivi_jax.pallas_kernels import triton_stages
 from kivi_jax.pallas_kernels.decode_attention import (
     gqa_scores,
     gqa_values,
@@ -91,7 +92,6 @@ from kivi_jax.pallas_kernels.decode_attention import (
     ptx,
     residual,
     state,
-    triton_stages,
 )
 
 _LOG2E = math.log2(math.e)

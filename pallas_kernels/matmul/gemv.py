@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from kivi_jax.pallas_kernels.decode_attention import triton_stages
+from kivi_jax.pallas_kernels import triton_stages
 from kivi_jax.pallas_kernels.matmul.gpu import int4_bytes
 
 # The most rows the kernel takes: each row adds one FMA a code; at 3 rows the compiled loop
