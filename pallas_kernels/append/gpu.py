@@ -71,16 +71,19 @@ def _pack(codes, bits: int, axis: int):
     return jnp.sum(codes.astype(jnp.uint32) << shifts, axis=axis).astype(jnp.uint8)
 
 
-def _value_leaves(t, n, slot, vr_in, vc_ref, vs_ref, vz_ref, *, v_bits: int, residual_length: int,
-                  dtype):  # fmt: skip
-    """Token t - R leaves the value window: its slot (read before the new value takes it)
-    quantized per token into row t - R."""
+def _quantize_value(v, v_bits: int, dtype):
+    """codes, scale, zero of one token's value v [D // G, G // vpb, vpb], per token."""
+    return _quantize(v.astype(jnp.float32), (2, 1), v_bits, dtype)
+
+
+def _value_leaves(t, n, quantized, vc_ref, vs_ref, vz_ref, *, v_bits: int, residual_length: int):
+    """Token t - R leaves the value window: its value (its ring slot, read before the new value
+    takes it), quantized per token by `quantized()` (`_quantize_value`'s), into row t - R."""
     R = residual_length
 
     @pl.when((n > 0) & (t >= R))
     def _value_leaves():
-        x = vr_in[slot].astype(jnp.float32)  # [D // G, G // vpb, vpb]
-        codes, scale, zero = _quantize(x, (2, 1), v_bits, dtype)
+        codes, scale, zero = quantized()
         vc_ref[t - R] = _pack(codes, v_bits, axis=2)  # [D // G, G // vpb]
         vs_ref[t - R] = scale[:, 0, 0]
         vz_ref[t - R] = zero[:, 0, 0]
@@ -123,8 +126,8 @@ def _append_kernel(
     t, n = lengths_ref[...], counts_ref[...]
     slot = t % R
     dtype = ks_ref.dtype
-    _value_leaves(t, n, slot, vr_in, vc_ref, vs_ref, vz_ref, v_bits=v_bits, residual_length=R,
-                  dtype=dtype)  # fmt: skip
+    _value_leaves(t, n, lambda: _quantize_value(vr_in[slot], v_bits, dtype), vc_ref, vs_ref,
+                  vz_ref, v_bits=v_bits, residual_length=R)  # fmt: skip
 
     @pl.when((n > 0) & ((t + 1) % G == 0))
     def _key_group_completes():  # tokens [t + 1 - G, t], the last one new
@@ -248,8 +251,6 @@ def _mixed_append_kernel(
     t, n = lengths_ref[...], counts_ref[...]
     slot = t % R
     dtype = ks_ref.dtype
-    _value_leaves(t, n, slot, vr_in, vc_ref, vs_ref, vz_ref, v_bits=v_bits, residual_length=R,
-                  dtype=dtype)  # fmt: skip
 
     @pl.when((n > 0) & ((t + 1) % G == 0))
     def _key_group_completes():
@@ -283,11 +284,13 @@ def _mixed_append_kernel(
         sk_ref[t] = k_ref[...]
         sv_ref[t] = v_ref[...].reshape(sv_ref.shape[1])
 
+    v_leave = vr_in[slot]  # [D // G, G // vpb, vpb], token t - R's, before its slot is written
+    quantized = lambda: _quantize_value(v_leave, v_bits, dtype)
     if heavy:  # token t - R leaves the window: scored and merged before its ring slot is written
         p = t - R
         k_leave = kr_in[slot // kpb, slot % kpb]  # [D]
-        v_leave = vr_in[slot]  # [D // G, G // vpb, vpb]
-        v_codes, v_scale, v_zero = _quantize(v_leave.astype(jnp.float32), (2, 1), v_bits, dtype)
+        v_codes, v_scale, v_zero = quantized()
+        quantized = lambda: (v_codes, v_scale, v_zero)  # stored as scored, quantized once
         score = _leaving_score(
             jnp.maximum(p, 0), k_leave.astype(jnp.float32), v_leave.astype(jnp.float32),
             v_codes, v_scale, v_zero, kc_in, ks_in, kz_in, fc_in, fch_in,
@@ -298,6 +301,7 @@ def _mixed_append_kernel(
             p, score, k_leave, v_leave.reshape(k_leave.shape[0]), hp_in, hs_in, sk_in, sv_in,
             hp_ref, hs_ref, sk_ref, sv_ref, sinks=S, leaving=(n > 0) & (p >= S),
         )  # fmt: skip
+    _value_leaves(t, n, quantized, vc_ref, vs_ref, vz_ref, v_bits=v_bits, residual_length=R)
 
     _rings_take_the_token(n, slot, k_ref, v_ref, kr_ref, vr_ref, k_bits=k_bits)
 
