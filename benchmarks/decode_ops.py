@@ -131,8 +131,9 @@ def cpu_around_attention(kv: str) -> collections.Counter | None:
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     window = dict(residual_length=cfg.residual_length, sliding_keys=cfg.sliding_keys)
 
-    def edits(scores, qs, state, m, o, o_tail, l_sum):  # the logits donated, as the score
-        side = state.side  # kernel's output is
+    # the logits donated, as the score kernel's output is
+    def edits(scores, qs, state, m, o, o_tail, l_sum):
+        side = state.side
         fine = mixed.fine_operands(
             qs, state.k_scale, side.fine_codes, side.fine_channels, k_bits=cfg.k_bits
         )

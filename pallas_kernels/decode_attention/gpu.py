@@ -1115,7 +1115,7 @@ def kivi_decode_attention_gpu(
         q_scale=q_scale, bits=v_bits, residual_length=R, tuning=tuning,
         sliding_keys=sliding_keys, **common,
     )  # fmt: skip
-    # one more split: the full-precision entries (no tail)
+    # the full-precision entries' partial softmax, merged as one more split (no tail)
     extra = None if extras is None else mixed.extras_softmax(qs, extras)
     return _merge_splits(m, o, o_tail, l_sum, extra).reshape(B, Hq, D).astype(q.dtype)
 
