@@ -198,9 +198,11 @@ def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
     step, bit for bit the pages and rows of the contiguous state's). One step writes tokens
     in [l - R, l] only (the value leaving the window, l - R, and a key group completed at l,
     R <= page_size; a full-precision state token l), which lie in the two pages from the one
-    holding token max(l - R, 0): the append runs on those two pages of each row
-    (`reads_by_page`; a mixed state, whose sinks and heavy tokens are sequence positions, on
-    the whole view), and writes them back."""
+    holding token max(l - R, 0). A full-precision state writes its token's entry alone; plain
+    KIVI on a GPU runs the append kernel, which writes the pool in place through the table;
+    elsewhere (and where the kernel does not apply) the append runs on those two pages of each
+    row and writes them back (a mixed state, whose sinks and heavy tokens are sequence
+    positions, on the whole view: `reads_by_page`)."""
     if not reads_by_page(paged):
         return _append_through_view(paged, k, v, active, q=q)[0]
     n, ps, cap = paged.rows.lengths, paged.page_size, paged.rows.max_len
@@ -218,6 +220,10 @@ def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
             f"cache capacity exceeded: max_len={cap}, but rows {bad.tolist()} would hold "
             f"{(np.asarray(n)[bad] + 1).tolist()} tokens"
         )
+    if isinstance(paged.rows, FullCache):
+        return _flag_missing(_append_token(paged, k, v, fits), wanted & ~fits)
+    if cache_lib._append_kernel_applies(paged.rows):
+        return _flag_missing(_append_in_place(paged, k, v, fits), wanted & ~fits)
     first = jnp.maximum(n - r, 0) // ps  # [B] the window's first table column
     cols = first[:, None] + jnp.arange(2)  # [B, 2]
     ids = jnp.take_along_axis(paged.table, cols, axis=1, mode="fill", fill_value=NO_PAGE)
@@ -229,6 +235,42 @@ def append(paged: PagedCache, k: jax.Array, v: jax.Array, active=None, *, q=None
     rows, tokens = split(out, paged.token_axes)
     pages = _put_pages(paged, tokens, ids, jnp.broadcast_to(jnp.arange(2), ids.shape))
     return _flag_missing(dataclasses.replace(paged, rows=rows, pages=pages), wanted & ~fits)
+
+
+def _append_token(paged: PagedCache, k, v, fits) -> PagedCache:
+    """A FullCache's step: each fitting row's token l written into its page, the one entry
+    (dropped where the table holds no page)."""
+    n, ps = paged.rows.lengths, paged.page_size
+    column = jnp.take_along_axis(paged.table, (n // ps)[:, None], axis=1, mode="fill",
+                                 fill_value=NO_PAGE)[:, 0]  # fmt: skip
+    page = jnp.where(fits, column, NO_PAGE)  # [B]
+
+    def put(pool, x):  # pool [P, ps, H, D] <- x [B, H, D] at (page, l % ps)
+        return pool.at[page, n % ps].set(x.astype(pool.dtype), mode="drop")
+
+    pages = dataclasses.replace(paged.pages, k=put(paged.pages.k, k), v=put(paged.pages.v, v))
+    rows = dataclasses.replace(paged.rows, lengths=n + fits.astype(n.dtype))
+    return dataclasses.replace(paged, rows=rows, pages=pages)
+
+
+def _append_in_place(paged: PagedCache, k, v, fits, *, interpret: bool = False) -> PagedCache:
+    """A plain KIVI state's step by the append kernel (pallas_kernels/append/gpu.py), which
+    writes the pool through the table in place: no page gathered or written back."""
+    from kivi_jax.pallas_kernels.append.gpu import append_kernel
+
+    rows, pool, cfg = paged.rows, paged.pages, paged.rows.config
+    k, v = (cache_lib.entering_tokens(cfg, x, rows.dtype) for x in (k, v))
+    names = cache_lib._APPEND_FIELDS
+    arrays = [getattr(rows if getattr(pool, f) is None else pool, f) for f in names]
+    out = dict(zip(names, append_kernel(
+        *arrays, rows.lengths, fits.astype(jnp.int32), k, v, table=paged.table,
+        k_bits=cfg.k_bits, v_bits=cfg.v_bits, group_size=cfg.group_size,
+        residual_length=cfg.residual_length, interpret=interpret,
+    ), strict=True))  # fmt: skip
+    held = {f: out[f] for f in names if getattr(pool, f) is not None}
+    ring = {f: out[f] for f in names if f not in held}
+    rows = dataclasses.replace(rows, **ring, lengths=rows.lengths + fits.astype(jnp.int32))
+    return dataclasses.replace(paged, rows=rows, pages=dataclasses.replace(pool, **held))
 
 
 def _flag_missing(paged: PagedCache, dropped: jax.Array) -> PagedCache:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kivi_jax import cache as cache_lib
 from kivi_jax import paged
 from kivi_jax.attention import decode_attention_reference
 from kivi_jax.cache import append, dequantize, init_cache, prefill
@@ -186,3 +187,45 @@ def test_append_writes_two_pages_a_row_as_the_whole_view_would(kind):
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(by_view), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.asarray(state.rows.overflow)[4]  # a step past max_len
+
+
+@pytest.mark.parametrize(("k_bits", "v_bits"), [(2, 2), (4, 2)])
+def test_the_append_kernel_writes_the_pool_in_place_as_the_two_page_append_does(
+    monkeypatch, k_bits, v_bits
+):
+    # the GPU path (pallas_kernels/append/gpu.py through the table, interpreted here) against
+    # the two-page XLA path: rows crossing page and group boundaries, a row past max_len, rows
+    # outgrowing their pages (writes dropped), inactive rows. Rows 0 and 1 share a sealed page
+    # (the two paths differ where two rows write one page: the XLA path puts back whole pages)
+    cfg = KiviConfig(k_bits=k_bits, v_bits=v_bits, residual_length=32)
+    state = random_paged(cfg, [200, 180, 95, 96, 255, 20], seed=3, pages=16)
+    rng = np.random.default_rng(4)
+    steps = [
+        (*(jnp.asarray(rng.standard_normal((6, H, D)), jnp.float32) for _ in range(2)),
+         jnp.asarray(rng.random(6) < 0.9))
+        for _ in range(40)
+    ]  # fmt: skip
+
+    def run():
+        step, s = jax.jit(paged.append), state
+        for k, v, active in steps:
+            s = step(s, k, v, active)
+        return s
+
+    want, traced = run(), []
+
+    def in_place(*args):
+        traced.append(1)
+        return kernel_path(*args, interpret=True)
+
+    kernel_path = paged._append_in_place
+    with monkeypatch.context() as m:
+        m.setattr(cache_lib, "_append_kernel_applies", cache_lib._append_kernel_supports)
+        m.setattr(paged, "_append_in_place", in_place)
+        jax.clear_caches()  # the path is chosen when the step is traced
+        got = run()
+    jax.clear_caches()
+    assert traced, "the kernel was not used"
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(got.rows.overflow)[[4, 5]].all()  # past max_len; row 5 without pages

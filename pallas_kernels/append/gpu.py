@@ -18,6 +18,12 @@ interpreted body too, so interpreted it matches the CPU's XLA append.
 Rows with count 0 (inactive or full) write nothing. 2/4-bit codes, power-of-two head_dim, G
 and R (`kivi_jax.cache._append_kernel_supports`).
 
+Over a page pool (kivi_jax.paged, plain KIVI) the quantized arrays are the pool's, read whole
+per KV head as the paged decode kernels read them, and the row's table places each write: the
+leaving value's codes at its token's page, a completed key group's at the group's (a page holds
+whole groups); a write whose page the table does not hold is dropped, as the XLA path drops
+it. The rings stay the row's own.
+
 A mixed state (kivi_jax.cache, module doc; kivi2-mix) runs `_mixed_append_kernel`: the same
 writes, the new token also written to its sink slot when t < S (slot t of the extras, the
 array that holds the sinks and then the heavy slots), the first key group's sinks
@@ -76,17 +82,46 @@ def _quantize_value(v, v_bits: int, dtype):
     return _quantize(v.astype(jnp.float32), (2, 1), v_bits, dtype)
 
 
-def _value_leaves(t, n, quantized, vc_ref, vs_ref, vz_ref, *, v_bits: int, residual_length: int):
+def _page(table_ref, ref, unit):
+    """The page that the row's table [M] names for the row's entry `unit` of a pool array
+    [Pp, per_page, ...], and whether the table holds one there (NO_PAGE lies past the pool)."""
+    pages, per_page = ref.shape[:2]
+    page = table_ref[jnp.maximum(unit, 0) // per_page]
+    return page, page < pages
+
+
+def _when(cond, table_ref, ref, unit):
+    """pl.when(cond) over the row's own arrays (table_ref None); over a pool's, pl.when(cond
+    and the table holds the page of the row's entry `unit` of `ref`): a write without its page
+    is dropped."""
+    return pl.when(cond if table_ref is None else cond & _page(table_ref, ref, unit)[1])
+
+
+def _at(table_ref, ref, unit, n=None):
+    """The index of the row's entry `unit` of a token-axis array (n entries from it with n): in
+    the row's own array [entries, ...] (table_ref None), or in the pool's [Pp, per_page, ...]
+    at the page the row's table names (page 0 where it names none: `_when` skips the write)."""
+    if table_ref is None:
+        return unit if n is None else pl.ds(unit, n)
+    page, held = _page(table_ref, ref, unit)
+    at = unit % ref.shape[1]
+    return jnp.where(held, page, 0), at if n is None else pl.ds(at, n)
+
+
+def _value_leaves(t, n, quantized, vc_ref, vs_ref, vz_ref, *, v_bits: int, residual_length: int,
+                  table_ref=None):  # fmt: skip
     """Token t - R leaves the value window: its value (its ring slot, read before the new value
-    takes it), quantized per token by `quantized()` (`_quantize_value`'s), into row t - R."""
+    takes it), quantized per token by `quantized()` (`_quantize_value`'s), into row t - R (of
+    the row's arrays or of its page, `_at`)."""
     R = residual_length
 
-    @pl.when((n > 0) & (t >= R))
+    @_when((n > 0) & (t >= R), table_ref, vc_ref, t - R)
     def _value_leaves():
         codes, scale, zero = quantized()
-        vc_ref[t - R] = _pack(codes, v_bits, axis=2)  # [D // G, G // vpb]
-        vs_ref[t - R] = scale[:, 0, 0]
-        vz_ref[t - R] = zero[:, 0, 0]
+        at = _at(table_ref, vc_ref, t - R)  # v_codes, v_scale, v_zero: a token an entry
+        vc_ref[at] = _pack(codes, v_bits, axis=2)  # [D // G, G // vpb]
+        vs_ref[at] = scale[:, 0, 0]
+        vz_ref[at] = zero[:, 0, 0]
 
 
 def _key_group(g0, kr_in, k_ref, *, k_bits: int, group_size: int, residual_length: int):
@@ -118,8 +153,10 @@ def _append_kernel(
     v_ref,  # [D // G, G // vpb, vpb] new value
     kc_in, ks_in, kz_in, vc_in, vs_in, vz_in, kr_in, vr_in,  # the state (aliased)
     kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kr_ref, vr_ref,
-    *, k_bits: int, v_bits: int, group_size: int, residual_length: int,
+    *, k_bits: int, v_bits: int, group_size: int, residual_length: int, table_ref=None,
 ):  # fmt: skip
+    """table_ref: None (the quantized refs are the row's) or the row's page table [M] (they
+    are the pool's, `_at`)."""
     del kc_in, ks_in, kz_in, vc_in, vs_in, vz_in  # written only
     G, R = group_size, residual_length
     kpb = 8 // k_bits
@@ -127,16 +164,17 @@ def _append_kernel(
     slot = t % R
     dtype = ks_ref.dtype
     _value_leaves(t, n, lambda: _quantize_value(vr_in[slot], v_bits, dtype), vc_ref, vs_ref,
-                  vz_ref, v_bits=v_bits, residual_length=R)  # fmt: skip
+                  vz_ref, v_bits=v_bits, residual_length=R, table_ref=table_ref)  # fmt: skip
 
-    @pl.when((n > 0) & ((t + 1) % G == 0))
+    @_when((n > 0) & ((t + 1) % G == 0), table_ref, ks_ref, (t + 1 - G) // G)
     def _key_group_completes():  # tokens [t + 1 - G, t], the last one new
         g0 = t + 1 - G
         w, _ = _key_group(g0, kr_in, k_ref, k_bits=k_bits, group_size=G, residual_length=R)
         codes, scale, zero = _quantize(w, (1, 0), k_bits, dtype)
-        kc_ref[pl.ds(g0 // kpb, G // kpb)] = _pack(codes, k_bits, axis=1)  # [G // kpb, D]
-        ks_ref[g0 // G] = scale[0, 0]
-        kz_ref[g0 // G] = zero[0, 0]
+        packed = _pack(codes, k_bits, axis=1)  # [G // kpb, D]
+        kc_ref[_at(table_ref, kc_ref, g0 // kpb, G // kpb)] = packed  # a page holds whole groups
+        ks_ref[_at(table_ref, ks_ref, g0 // G)] = scale[0, 0]
+        kz_ref[_at(table_ref, kz_ref, g0 // G)] = zero[0, 0]
 
     _rings_take_the_token(n, slot, k_ref, v_ref, kr_ref, vr_ref, k_bits=k_bits)
 
@@ -306,13 +344,19 @@ def _mixed_append_kernel(
     _rings_take_the_token(n, slot, k_ref, v_ref, kr_ref, vr_ref, k_bits=k_bits)
 
 
+def _table_first(kernel, table_ref, *refs):
+    """kernel(*refs, table_ref=table_ref): a paged append's Pallas kernel, the row's table its
+    first ref."""
+    return kernel(*refs, table_ref=table_ref)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("k_bits", "v_bits", "group_size", "residual_length", "sinks", "interpret"),
 )
 def append_kernel(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
-    lengths, counts, k, v, side=None,
+    lengths, counts, k, v, side=None, table=None,
     *, k_bits: int, v_bits: int, group_size: int, residual_length: int, sinks: int = 0,
     interpret: bool = False,
 ):  # fmt: skip
@@ -322,23 +366,35 @@ def append_kernel(
     side: None, or a mixed state's (extra_k, extra_v, fine_codes, fine_channels) (extras
     [B, H, S + N, D], S = `sinks` sinks first; F fine key channels), with (heavy_pos,
     heavy_score) [B, H, N] after them where it has heavy tokens (chosen by ERROR): then the 12
-    or 14 arrays, updated (the extras' sink slots and heavy slots)."""
+    or 14 arrays, updated (the extras' sink slots and heavy slots).
+
+    table: None, or int32 [B, M] (plain KIVI over a page pool, kivi_jax.paged): then the six
+    quantized arrays are the pool's (k_codes [Pp, H, ps // kpb, D], ..., v_zero [Pp, H, ps,
+    D // G]; ps the page size), the rings the rows'."""
     state = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual)
-    B, H, C, _ = v_codes.shape
-    D = k.shape[-1]
-    G, R = group_size, residual_length
+    if table is not None and side is not None:
+        raise ValueError("append_kernel: a mixed state is not paged by page (kivi_jax.paged)")
+    B, H, R, D = k_residual.shape[0], k_residual.shape[1], residual_length, k.shape[-1]
+    Pp, C = v_codes.shape[0], v_codes.shape[2]  # pages and a page's tokens, or B and capacity
+    G = group_size
     kpb, vpb = 8 // k_bits, 8 // v_bits
     row = lambda b, h: (b,)
     full = lambda *block: pl.BlockSpec(
         (None, None, *block), lambda b, h: (b, h) + (0,) * len(block)
     )
+    if table is None:
+        quantized = full
+    else:  # the KV head's whole pool (every page: the table places the writes)
+        quantized = lambda *block: pl.BlockSpec(
+            (Pp, None, *block), lambda b, h: (0, h) + (0,) * len(block)
+        )
     state_specs = [
-        full(C // kpb, D),  # k_codes
-        full(C // G, D),  # k_scale
-        full(C // G, D),  # k_zero
-        full(C, D // G, G // vpb),  # v_codes: a token's bytes by channel group
-        full(C, D // G),  # v_scale
-        full(C, D // G),  # v_zero
+        quantized(C // kpb, D),  # k_codes
+        quantized(C // G, D),  # k_scale
+        quantized(C // G, D),  # k_zero
+        quantized(C, D // G, G // vpb),  # v_codes: a token's bytes by channel group
+        quantized(C, D // G),  # v_scale
+        quantized(C, D // G),  # v_zero
         full(R // kpb, kpb, D),  # k_residual: slots by key byte
         full(R, D // G, G // vpb, vpb),  # v_residual: a value by channel group and byte
     ]
@@ -346,7 +402,7 @@ def append_kernel(
         k_codes,
         k_scale,
         k_zero,
-        v_codes.reshape(B, H, C, D // G, G // vpb),
+        v_codes.reshape(Pp, H, C, D // G, G // vpb),
         v_scale,
         v_zero,
         k_residual.reshape(B, H, R // kpb, kpb, D),
@@ -362,17 +418,24 @@ def append_kernel(
     inputs = (lengths, counts, k, v.reshape(B, H, D // G, G // vpb, vpb))
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     if side is None:
+        kernel = functools.partial(_append_kernel, **config)
+        tables = ()
+        if table is not None:  # the row's table first
+            table_spec = pl.BlockSpec((None, table.shape[1]), lambda b, h: (b, 0))
+            in_specs, tables = [table_spec, *in_specs], (table,)
+            kernel = functools.partial(_table_first, kernel)
+        first = len(in_specs)
         out = pl.pallas_call(
-            functools.partial(_append_kernel, **config),
+            kernel,
             grid=(B, H),
             in_specs=[*in_specs, *state_specs],
             out_specs=state_specs,
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views],
-            input_output_aliases={4 + i: i for i in range(8)},
+            input_output_aliases={first + i: i for i in range(8)},
             compiler_params=params,
             interpret=interpret,
-            name="kivi_append",
-        )(*inputs, *views)
+            name="kivi_append" if table is None else "kivi_append_paged",
+        )(*tables, *inputs, *views)
         return [o.reshape(x.shape) for o, x in zip(out, state, strict=True)]
     E, F = side[0].shape[2], side[2].shape[3]  # extra_k [B, H, S + N, D], fine_codes [.., F]
     heavy = len(side) == 6
