@@ -376,10 +376,10 @@ def decode_rate(engine, *, live: int, length: int, calls: int = 6, trace: dict |
         pages.grow(s, span)  # each slot its own pages, from its shard's free list
     table = pages.table.copy()
 
-    def call(state, pool):
+    def call(state, pool):  # the program the engine runs for slots [0, live)
         return programs.decode(
             engine.params, state, pool, table, steps=engine.decode_steps, sampled=False,
-            extras=False, layout=engine._layout,
+            extras=False, layout=engine._layout, rows=engine._rows_for(live),
         )[:3]  # fmt: skip
 
     state, pool = _occupied(engine._state, live, length), engine._pool

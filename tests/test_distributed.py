@@ -162,7 +162,7 @@ def test_a_plan_comes_back_as_it_was_sent(monkeypatch):
     ]
     grown = table.copy()
     grown[1, :2] = [7, 3]
-    later = [(Op.DECODE, grown, 0, 1), (Op.PREFILL, np.ones((1, plan.PLAN_WORDS), np.int32),
+    later = [(Op.DECODE, grown, 0, 1, 8), (Op.PREFILL, np.ones((1, plan.PLAN_WORDS), np.int32),
                                           np.array([plan.PLAN_WORDS], np.int32))]  # fmt: skip
     sent, received = plan.Codec(table.shape), plan.Codec(table.shape)
     buffers = []

@@ -570,6 +570,28 @@ def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
         more.warmup()  # the programs' temporaries counted
 
 
+def test_a_light_load_decodes_the_lowest_slots_only(params, monkeypatch):
+    """From 32 slots the engine also compiles decode programs for a quarter of them; a request
+    takes the lowest free slot, so while every live slot lies below 8 a decode call runs 8
+    rows, and 10 at once run all 32. Each request's tokens are those of its prompt alone."""
+    e = engine(params, "kivi2", slots=32)
+    assert e._decode_rows(e.slots) == (8, 32)  # what warmup compiles (not run: it costs ~1 min)
+    calls, decode = [], programs.decode
+    monkeypatch.setattr(programs, "decode",
+                        lambda *a, **kw: calls.append(kw["rows"]) or decode(*a, **kw))  # fmt: skip
+    ids = [prompt(12, seed=i) for i in range(10)]
+    few = [e.submit(x, max_new_tokens=6) for x in ids[:3]]
+    while e.step():
+        pass
+    assert set(calls) == {8}
+    many, before = [e.submit(x, max_new_tokens=40) for x in ids], len(calls)
+    while e.step():
+        pass
+    assert 32 in calls[before:]
+    assert [h.result() for h in few] == [alone(params, "kivi2", x, 6) for x in ids[:3]]
+    assert [h.result() for h in many] == [alone(params, "kivi2", x, 40) for x in ids]
+
+
 def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(params):
     with pytest.raises(ValueError, match=r"does not fit the device: 64 slots x .* against the "
                        r"limit 2 MB; at most \d+ slots fit"):  # fmt: skip

@@ -209,6 +209,11 @@ class Engine:
     its row and pages are copied to host memory and put back, exactly, once pages are free
     (before any new request is admitted); its handle streams on without a repeat or a gap.
 
+    A decode call runs the slots below the highest one in use, rounded up to a compiled size:
+    off a mesh, an engine of 32 slots or more also compiles decode programs for a quarter of its
+    slots (rounded up to a multiple of 8), and since a request takes the lowest free slot,
+    a light load decodes that many rows, not every slot (`programs.decode`'s rows).
+
     The state is allocated by warmup() (after it has compiled every program, so that XLA's
     autotuner measures in free memory) or by the first step.
 
@@ -726,11 +731,11 @@ class Engine:
                 sampled=sampled,
                 **kw,
             )
-            for extras in (False, True):
+            for extras, n in itertools.product((False, True), self._decode_rows(slots)):
                 self._compile(f"decode[{kind}{', extras' if extras else ''}, "
-                              f"{self.decode_steps} steps]", programs.decode, p, state, pool, table,
-                              steps=self.decode_steps, sampled=sampled, extras=extras,
-                              layout=self._layout)  # fmt: skip
+                              f"{self.decode_steps} steps, {n} rows]", programs.decode, p,
+                              state, pool, table, steps=self.decode_steps, sampled=sampled,
+                              extras=extras, layout=self._layout, rows=n)  # fmt: skip
         self._compile("reset", programs.reset, p, state, _i32(), kv=self.kv, layout=self._layout)
         saved = self._compile("save_row", programs.save_row, state, pool, table, _i32(),
                               layout=self._layout)  # fmt: skip
@@ -739,6 +744,16 @@ class Engine:
             self._compile("shared_prefix", programs.shared_prefix, p, pool,
                           _i32(1, self._max_pages), _i32(), self._scratch_spec, kv=self.kv,
                           max_len=self.max_len, layout=self._layout)  # fmt: skip
+
+    def _decode_rows(self, slots: int) -> tuple[int, ...]:
+        """The rows of the decode programs of an engine of `slots` slots (the class doc):
+        (slots,), or off a mesh from 32 slots on (a quarter of them rounded up to 8, slots)."""
+        quarter = -(-slots // 32) * 8
+        return (slots,) if self.mesh is not None or slots < 32 else (quarter, slots)
+
+    def _rows_for(self, top: int) -> int:
+        """The decode program's rows for a call whose live slots all lie below `top`."""
+        return next(r for r in self._decode_rows(self.slots) if r >= top)
 
     def _fit_slots(self) -> int:
         """slots=None: compiles the programs, then takes as many slots as fit the limit beside
@@ -1135,8 +1150,9 @@ class Engine:
             return False
         sampled = any(h is not None and h._sampling.temperature > 0 for h in live)
         extras = any(h is not None and h._extras for h in live)
+        rows = self._rows_for(1 + max(s for s, h in enumerate(live) if h is not None))
         try:
-            self._do(Op.DECODE, self._pages.table.copy(), sampled, extras)
+            self._do(Op.DECODE, self._pages.table.copy(), sampled, extras, rows)
         except Exception as e:
             self._state_fault(e)
             return False
@@ -1365,10 +1381,10 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), (first, scores))
         self._results.append((first, scores))
 
-    def _op_decode(self, table, sampled: int, extras: int) -> None:
+    def _op_decode(self, table, sampled: int, extras: int, rows: int) -> None:
         self._state, self._pool, out, scores = programs.decode(
             self.params, self._state, self._pool, table, steps=self.decode_steps,
-            sampled=bool(sampled), extras=bool(extras), layout=self._layout,
+            sampled=bool(sampled), extras=bool(extras), layout=self._layout, rows=rows,
         )  # fmt: skip
         jax.tree.map(lambda x: x.copy_to_host_async(), (out, scores))
         self._results.append((out, scores))

@@ -35,7 +35,7 @@ class Op(enum.IntEnum):
     PREFIX_ROW = 6  # pages [1, M], tokens
     CHUNK = 7  # tokens [R, C], offset, count [R], following [R, C] or None
     INSERT = 8  # table, source, slot, prompt, limit, stops, sampled, *RowSampling's arrays
-    DECODE = 9  # table, sampled, extras
+    DECODE = 9  # table, sampled, extras, rows
     READ = 10  # n: the n oldest device results read back (every process)
     STOP = 11  # process 0's engine stopped: the others return
 

@@ -351,17 +351,43 @@ def reset(params, state: SlotState, slot, *, kv, layout):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("steps", "sampled", "extras", "layout"),
+    jax.jit, static_argnames=("steps", "sampled", "extras", "layout", "rows"),
     donate_argnames=("state", "pool"),
 )  # fmt: skip
 def decode(
-    params, state: SlotState, pool, table, *, steps: int, sampled: bool, extras: bool, layout
-):
+    params, state: SlotState, pool, table, *, steps: int, sampled: bool, extras: bool, layout,
+    rows: int | None = None,
+):  # fmt: skip
     """`steps` decode steps of every active slot, the pages read and written through `table`
     [S, M] (the host's: every live slot's pages for the call's tokens) -> (state, pool,
     tokens int32 [S, steps], -1 where the slot was inactive, and with `extras` (static: the
     penalties applied, the tokens counted, the logprobs computed) their TokenLogprobs
-    [S, steps], else None). A slot stops after a stop id or its limit."""
+    [S, steps], else None). A slot stops after a stop id or its limit.
+
+    rows (static, off a mesh): the steps run over slots [0, rows) only, taken out of the
+    state and written back (the others untouched: tokens -1, logprobs 0), so that a call
+    whose live slots all lie below `rows` costs the attention, matmuls and page writes of
+    `rows` rows, not of every slot; None: every slot."""
+    S = state.last.shape[0]
+    run = functools.partial(_decode_steps, params, steps=steps, sampled=sampled, extras=extras,
+                            layout=layout)  # fmt: skip
+    if rows is None or rows == S:
+        state, pool, out, scores = run(state, pool, table)
+        return _keep_sharding(state, params.mesh), _keep_pool(pool, params.mesh), out, scores
+    if params.mesh is not None or not 0 < rows < S:
+        raise ValueError(f"decode: rows={rows} takes 0 < rows < {S} slots, off a mesh")
+    first = lambda x: jax.lax.slice_in_dim(x, 0, rows, axis=BATCH_AXIS)
+    some, pool, out, scores = run(jax.tree.map(first, state), pool, table[:rows])
+    state = _put_row(state, some, 0)  # rows [0, rows) written back in place
+    widen = lambda x, fill: jnp.full((S, *x.shape[1:]), fill, x.dtype).at[:rows].set(x)
+    out = widen(out, -1)
+    if scores is not None:
+        scores = jax.tree.map(lambda x: widen(x, 0), scores)
+    return state, pool, out, scores
+
+
+def _decode_steps(params, state: SlotState, pool, table, *, steps, sampled, extras, layout):
+    """decode's steps over every row of `state` (its slots, or the first `rows` of them)."""
     S = state.last.shape[0]
 
     def step(i, carry):
@@ -391,5 +417,4 @@ def decode(
             logprob=jnp.zeros((S, steps)), top_ids=jnp.zeros((S, steps, MAX_LOGPROBS), jnp.int32),
             top_logprobs=jnp.zeros((S, steps, MAX_LOGPROBS)),
         )  # fmt: skip
-    state, pool, out, scores = jax.lax.fori_loop(0, steps, step, (state, pool, out, scores))
-    return _keep_sharding(state, params.mesh), _keep_pool(pool, params.mesh), out, scores
+    return jax.lax.fori_loop(0, steps, step, (state, pool, out, scores))
