@@ -22,10 +22,12 @@ a mixed state's fine channels) and the same page id in every layer.
 `view` is the contiguous Cache the pages represent (the table gathered: capacity M * ps, a
 missing page reading as zeros). `decode_attention` reads through the table (the reference page
 by page, the GPU kernels and the TPU kernel with the table as an operand) and `append` writes
-the two pages a step can reach; a mixed state (sinks and heavy tokens are sequence positions)
-and what the kernels do not take read the view. A page must be in the table before a write
-lands in it: an append whose quantized tokens reach a token without its page sets the row's
-overflow flag (the write is dropped), as a write past max_len does.
+what a step writes (plain KIVI on a GPU: the append kernel through the table, in place; a
+full-precision state: its token's entry; else the two pages a step can reach); a mixed state
+(sinks and heavy tokens are sequence positions) and what the kernels do not take read the
+view. A page must be in the table before a write lands in it: an append whose quantized
+tokens reach a token without its page sets the row's overflow flag (the write is dropped),
+as a write past max_len does.
 """
 
 from __future__ import annotations

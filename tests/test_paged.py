@@ -189,16 +189,19 @@ def test_append_writes_two_pages_a_row_as_the_whole_view_would(kind):
     assert np.asarray(state.rows.overflow)[4]  # a step past max_len
 
 
-@pytest.mark.parametrize(("k_bits", "v_bits"), [(2, 2), (4, 2)])
+@pytest.mark.parametrize(
+    ("k_bits", "v_bits", "group_size", "page_size"), [(2, 2, 32, 64), (4, 2, 16, 32)]
+)
 def test_the_append_kernel_writes_the_pool_in_place_as_the_two_page_append_does(
-    monkeypatch, k_bits, v_bits
+    monkeypatch, k_bits, v_bits, group_size, page_size
 ):
     # the GPU path (pallas_kernels/append/gpu.py through the table, interpreted here) against
     # the two-page XLA path: rows crossing page and group boundaries, a row past max_len, rows
     # outgrowing their pages (writes dropped), inactive rows. Rows 0 and 1 share a sealed page
     # (the two paths differ where two rows write one page: the XLA path puts back whole pages)
-    cfg = KiviConfig(k_bits=k_bits, v_bits=v_bits, residual_length=32)
-    state = random_paged(cfg, [200, 180, 95, 96, 255, 20], seed=3, pages=16)
+    cfg = KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=group_size, residual_length=32)
+    state = random_paged(cfg, [200, 180, 95, 96, 255, 20], seed=3, page_size=page_size,
+                         pages=4 * MAX_LEN // page_size)  # fmt: skip
     rng = np.random.default_rng(4)
     steps = [
         (*(jnp.asarray(rng.standard_normal((6, H, D)), jnp.float32) for _ in range(2)),

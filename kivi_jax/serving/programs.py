@@ -21,9 +21,10 @@ pool (kivi_jax.paged), each donating what it updates so that it is updated in pl
                     nothing), or of the first `rows` slots, reading and writing the pool
                     through the page table, returning their tokens [slots, decode_steps]
 
-decode comes in four programs for each `rows` the engine compiles, two static flags: `sampled`
-(some row samples: the sort and the draw) and `extras` (some row has a penalty or asks for logprobs: the penalties applied, the
-generated tokens counted, each token's logprobs and the MAX_LOGPROBS most likely computed). A
+decode comes in four programs for each `rows` the engine compiles, two static flags:
+`sampled` (some row samples: the sort and the draw) and `extras` (some row has a penalty or
+asks for logprobs: the penalties applied, the generated tokens counted, each token's logprobs
+and the MAX_LOGPROBS most likely computed). A
 decode program whose rows are all greedy without either holds none of it. insert_row (one row,
 once a request) always applies its penalties and computes its logprobs, greedy or sampled.
 Rows are written with tree_map over the state's arrays on kivi_jax.cache.BATCH_AXIS (the

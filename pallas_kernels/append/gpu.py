@@ -18,8 +18,8 @@ interpreted body too, so interpreted it matches the CPU's XLA append.
 Rows with count 0 (inactive or full) write nothing. 2/4-bit codes, power-of-two head_dim, G
 and R (`kivi_jax.cache._append_kernel_supports`).
 
-Over a page pool (kivi_jax.paged, plain KIVI) the quantized arrays are the pool's, read whole
-per KV head as the paged decode kernels read them, and the row's table places each write: the
+Over a page pool (kivi_jax.paged, plain KIVI) the quantized arrays are the pool's, one block
+per KV head (written only, through the table), and the row's table places each write: the
 leaving value's codes at its token's page, a completed key group's at the group's (a page holds
 whole groups); a write whose page the table does not hold is dropped, as the XLA path drops
 it. The rings stay the row's own.
