@@ -33,7 +33,16 @@ from kivi_jax.cache import (
     init_cache,
     prefill,
 )
-from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, Format, KiviConfig, Selection
+from kivi_jax.config import (
+    KIVI2,
+    KIVI2_LEAN,
+    KIVI2_MIX,
+    KIVI4,
+    Format,
+    KiviConfig,
+    Range,
+    Selection,
+)
 from kivi_jax.generate import TokenStream, generate, generate_text
 from kivi_jax.loading import Model, ModelLoadError, Tokenizer, load_model, save_model
 from kivi_jax.memory import HeldBits, MemoryReport, held_bits, memory_report
@@ -76,6 +85,7 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "QuantizedWeight",
+    "Range",
     "Selection",
     "TokenStream",
     "Tokenizer",

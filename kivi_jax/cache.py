@@ -127,7 +127,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kivi_jax import quantization
-from kivi_jax.config import Format, KiviConfig
+from kivi_jax.config import Format, KiviConfig, Range
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -638,7 +638,8 @@ _KERNEL_HEAVY_TOKENS = 32
 
 
 def _append_kernel_supports(cache: KiviCache) -> bool:
-    """Every float in the cache dtype, 2/4-bit codes, power-of-two head_dim, G and R; plain
+    """Every float in the cache dtype, 2/4-bit codes, min/max ranges (Range.MINMAX: the kernel
+    searches no range), power-of-two head_dim, G and R; plain
     KIVI, or a mixed state whose parts the kernel writes: S sinks a power of two, F fine key
     channels a multiple of 16, heavy tokens chosen by ERROR (scored and merged by the kernel:
     a power of two up to _KERNEL_HEAVY_TOKENS) or none."""
@@ -648,6 +649,8 @@ def _append_kernel_supports(cache: KiviCache) -> bool:
         cfg.plain_formats
         and cfg.k_bits in (2, 4)
         and cfg.v_bits in (2, 4)
+        and cfg.k_range is Range.MINMAX
+        and cfg.v_range is Range.MINMAX
         and all(pow2(x) for x in (d, cfg.group_size, cfg.residual_length))
     )
     if cache.side is None:
@@ -766,14 +769,7 @@ def _ring_step(ring, new, windows, old, keep):
     return outs, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
 
 
-def _ordered_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis as a fixed tree of pairwise adds (the same rounding whatever the
-    other axes: prefill and appends score a token identically)."""
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
+_ordered_sum = quantization.ordered_sum  # pallas_kernels/append/gpu.py sums as it does
 
 
 def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
@@ -798,7 +794,9 @@ def _quantize_keys(win: jax.Array, cfg: KiviConfig, g0: jax.Array, dtype):
         j = jnp.arange(w)
         src = jnp.where(g0[:, None] + j < cfg.sinks, cfg.sinks - g0[:, None], j)
         win = _gather(win, jnp.clip(src, 0, w - 1))
-    codes, scale, zero = quantization.quantize(win, b, g, axis=2, dtype=params)
+    codes, scale, zero = quantization.quantize(
+        win, b, g, axis=2, dtype=params, trims=cfg.k_range.trims
+    )
     if not f:
         return codes, scale, zero, None, None
     # An integer zero counts steps of the stored scale, 2^b times the fine step.
@@ -1015,7 +1013,9 @@ def _extend_kivi(
     if int8:
         v_win = _decoded(v_win, dtype)
     v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
-    codes, v_scale, v_zero = quantization.quantize(v_win, cfg.v_bits, g, axis=3, dtype=v_params)
+    codes, v_scale, v_zero = quantization.quantize(
+        v_win, cfg.v_bits, g, axis=3, dtype=v_params, trims=cfg.v_range.trims
+    )
     v_codes = quantization.pack_codes(codes, cfg.v_bits, axis=3)  # [B, H, seq, D // vpb]
     pos = p0[:, None] + jnp.arange(seq)
     out = _drop_unless(pos < p1[:, None], pos)

@@ -77,6 +77,25 @@ class Format(enum.Enum):
         return self.dtype(cache_dtype)
 
 
+class Range(enum.Enum):
+    """How a group's quantization range is chosen (kivi_jax.quantization.quantize's trims).
+
+    MINMAX: the group's minimum and maximum (KIVI): every member within half a step of its
+      reconstruction (up to the rounding of the scale and zero: quantization's module doc).
+    SEARCH: among quantization.SEARCH_TRIMS (min/max and ranges with up to 20% of the span
+      cut off either end), the range of least squared error over the group's members after
+      quantize-dequantize in the stored format; members beyond it take the end codes. No
+      bits stored: the scale and zero encode the range as before.
+    """
+
+    MINMAX = "minmax"
+    SEARCH = "search"
+
+    @property
+    def trims(self) -> tuple[tuple[float, float], ...]:
+        return quantization.MINMAX if self is Range.MINMAX else quantization.SEARCH_TRIMS
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KiviConfig:
     """Settings of a KIVI quantized KV cache.
@@ -106,6 +125,10 @@ class KiviConfig:
         E4M3, E5M2 or E4M3_INT8).
       residual_format: the tokens kept in full precision: both rings, the sinks and the heavy
         tokens (CACHE, E4M3, E5M2 or INT8).
+
+    Quantization ranges (config.Range; MINMAX by default):
+      k_range, v_range: how each key group's and each value group's range is chosen (the fine
+        key channels' codes keep MINMAX).
     """
 
     k_bits: int = 2
@@ -120,6 +143,8 @@ class KiviConfig:
     k_scale_format: Format = Format.CACHE
     v_scale_format: Format = Format.CACHE
     residual_format: Format = Format.CACHE
+    k_range: Range = Range.MINMAX
+    v_range: Range = Range.MINMAX
 
     @property
     def mixed(self) -> bool:
@@ -173,6 +198,9 @@ class KiviConfig:
         for name in ("k_scale_format", "v_scale_format", "residual_format"):
             if not isinstance(getattr(self, name), Format):
                 raise ValueError(f"KiviConfig.{name} must be a Format, got {getattr(self, name)!r}")
+        for name in ("k_range", "v_range"):
+            if not isinstance(getattr(self, name), Range):
+                raise ValueError(f"KiviConfig.{name} must be a Range, got {getattr(self, name)!r}")
         if self.residual_format is Format.E4M3_INT8:
             raise ValueError(
                 "KiviConfig.residual_format cannot be Format.E4M3_INT8 (a format of scales and "

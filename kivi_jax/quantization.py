@@ -24,6 +24,16 @@ n = 0) and codes 0: all its members dequantize to NaN. Finite groups anywhere in
 get finite s, z and reconstructions (spans and products beyond the range are taken halved;
 docs/design.md, "Non-finite and extreme values").
 
+A range search (`quantize`'s trims, config.Range.SEARCH) quantizes each group over several
+candidate ranges [lo + a * span, hi - b * span] (lo, hi the group's minimum and maximum, span
+hi - lo, (a, b) from a fixed set holding (0, 0)), each with the scale and zero of the stored
+format as above, and keeps the candidate whose reconstructions are of least squared error over
+the group's members (summed in a fixed order; the earlier candidate on ties, so min/max unless
+another is strictly better). Members beyond a clipped range take its end codes. With 2-bit
+codes min/max spends a step's worth of range on a group's two extremes; a clipped range trades
+their error for every other member's. The choice is a function of the group alone, like the
+parameters, and a non-finite group keeps min/max's NaN parameters and codes 0.
+
 Tokens in int8 (`encode_int8_tokens`, the residual format config.Format.INT8): a token's D
 values x (one KV head) as int8 codes q with one power-of-two scale 2^e, e an int8: e is the
 least integer with max|x| <= 127 * 2^e (at least the cache dtype's smallest normal exponent),
@@ -254,8 +264,64 @@ def codes_of(x, scale, zero, finite, bits: int, round_fn=jnp.round) -> jax.Array
     return jnp.where(finite, jnp.clip(round_fn(q), 0, levels), 0).astype(jnp.uint8)
 
 
+# quantize's trims (module doc): min/max alone, and the search's candidates (config.Range).
+MINMAX = ((0.0, 0.0),)
+SEARCH_TRIMS = tuple((a, b) for a in (0.0, 0.1, 0.2) for b in (0.0, 0.1, 0.2))  # (0, 0) first
+
+
+def ordered_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed tree of pairwise adds (the same rounding whatever the
+    other axes: prefill and appends score a token identically)."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _group_parameters(g, finite, bits: int, dtype, trims):
+    """(codes [..., groups, G], scale, zero [..., groups]) of groups g: for each candidate
+    range of `trims` (module doc), the group's parameters and codes in the stored format, and
+    per group the candidate of least squared error after dequantization (the first on ties)."""
+    lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+
+    def candidate(lo_c, hi_c):
+        scale, zero = scale_and_zero(lo_c, hi_c, finite, bits, dtype)
+        z = zero_values(scale, zero, dtype) if isinstance(dtype, IntZero) else zero
+        codes = codes_of(g, scale[..., None], z[..., None], finite[..., None], bits)
+        return codes, scale, zero, z
+
+    codes, scale, zero, z = candidate(lo, hi)  # min/max: trims[0] is (0, 0)
+    if len(trims) == 1:
+        return codes, scale, zero
+
+    def squared_error(codes, scale, z):  # NaN in groups that are not finite: never better
+        y = affine(
+            codes.astype(jnp.float32), as_float32(scale)[..., None], as_float32(z)[..., None]
+        )
+        return ordered_sum((y - g) ** 2)
+
+    half_span = hi * 0.5 - lo * 0.5  # finite for finite groups
+
+    def step(best, trim):  # one candidate at a time: the graph holds one
+        codes, scale, zero, z = candidate(
+            lo + 2 * trim[0] * half_span, hi - 2 * trim[1] * half_span
+        )
+        error = squared_error(codes, scale, z)
+        better = error < best[3]
+        new = (codes, scale, zero, error)
+        keep = lambda a, b: jnp.where(
+            better.reshape(better.shape + (1,) * (a.ndim - better.ndim)), a, b
+        )
+        return jax.tree.map(keep, new, best), None
+
+    best = (codes, scale, zero, squared_error(codes, scale, z))
+    best, _ = lax.scan(step, best, jnp.asarray(trims[1:], jnp.float32))
+    return best[:3]
+
+
 def quantize(
-    x: jax.Array, bits: int, group_size: int, axis: int, dtype
+    x: jax.Array, bits: int, group_size: int, axis: int, dtype, trims=MINMAX
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantizes x in groups of `group_size` consecutive elements along `axis`.
 
@@ -266,6 +332,9 @@ def quantize(
       axis: the axis along which groups are formed.
       dtype: the dtype of the returned scale and zero point, or an IntZero (an e4m3 scale and
         an int8 zero point).
+      trims: the candidate ranges (module doc): (a, b) pairs, the range [lo + a * span,
+        hi - b * span] of a group of minimum lo, maximum hi and span hi - lo; MINMAX (the one
+        pair (0, 0)) is min/max quantization.
 
     Returns:
       codes: uint8, same shape as x, unpacked, in [0, 2^B - 1].
@@ -278,9 +347,12 @@ def quantize(
         raise ValueError(f"axis of length {m} is not a multiple of group_size={group_size}")
     g = xf.reshape(*lead, m // group_size, group_size)  # [..., groups, G]
     finite = jnp.all(is_finite(g), axis=-1)
-    scale, zero = scale_and_zero(jnp.min(g, axis=-1), jnp.max(g, axis=-1), finite, bits, dtype)
-    z = zero_values(scale, zero, dtype) if isinstance(dtype, IntZero) else zero
-    codes = codes_of(g, scale[..., None], z[..., None], finite[..., None], bits)
+    trims = tuple(tuple(float(t) for t in trim) for trim in trims)
+    if not trims or trims[0] != (0.0, 0.0) or not all(0 <= a + b < 1 for a, b in trims):
+        raise ValueError(
+            f"trims must start with (0, 0) (min/max) and cut less than the span, got {trims}"
+        )
+    codes, scale, zero = _group_parameters(g, finite, bits, dtype, trims)
     codes = codes.reshape(*lead, m)
     return (
         jnp.moveaxis(codes, -1, axis),
@@ -330,12 +402,13 @@ def affine(c: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
 
 
 def fake_quantize(
-    x: jax.Array, bits: int, group_size: int, axis: int, params_dtype=None
+    x: jax.Array, bits: int, group_size: int, axis: int, params_dtype=None, trims=MINMAX
 ) -> jax.Array:
     """Quantize-dequantize x along `axis` in groups of G, returned in x's dtype (for analyses);
-    the scales and zeros in `params_dtype` (default x's dtype; an IntZero too)."""
+    the scales and zeros in `params_dtype` (default x's dtype; an IntZero too), the range
+    chosen among `trims` (quantize)."""
     params = x.dtype if params_dtype is None else params_dtype
-    codes, scale, zero = quantize(x, bits, group_size, axis, params)
+    codes, scale, zero = quantize(x, bits, group_size, axis, params, trims)
     return dequantize(codes, scale, zero, group_size, axis, params).astype(x.dtype)
 
 

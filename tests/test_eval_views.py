@@ -10,12 +10,15 @@ import kivi_jax as kj
 from kivi_jax.analysis import Grouping
 from kivi_jax.eval import views
 
+SEARCH = kj.Range.SEARCH
 MIXED = dict(group_size=4, residual_length=8, sinks=2, fine_key_channels=3, heavy_tokens=3)
 STREAMING_CONFIGS = [
     kj.KiviConfig(group_size=4, residual_length=8),
     kj.KiviConfig(k_bits=4, v_bits=2, group_size=4, residual_length=4),
     kj.KiviConfig(**MIXED, sliding_keys=True, selection=kj.Selection.MASS),
     kj.KiviConfig(**MIXED, selection=kj.Selection.ERROR),
+    kj.KiviConfig(group_size=4, residual_length=8, k_range=SEARCH, v_range=SEARCH),
+    kj.KiviConfig(**MIXED, selection=kj.Selection.ERROR, k_range=SEARCH, v_range=SEARCH),
 ]
 
 

@@ -25,21 +25,23 @@ from tiny_model import tiny_params
 
 import kivi_jax as kj
 
-# Three configs (plain; every mixed-precision part with ERROR selection, for which prefill
-# equals appends bit-identically; the same in kivi2-lean's 8-bit formats), one shape: few
-# compilations.
+# Four configs (plain; every mixed-precision part with ERROR selection, for which prefill
+# equals appends bit-identically; the same in kivi2-lean's 8-bit formats, and with the range
+# search for keys and values), one shape: few compilations.
 _MIXED = kj.KiviConfig(
     k_bits=2, v_bits=2, group_size=4, residual_length=8, sinks=1, sliding_keys=True,
     fine_key_channels=2, heavy_tokens=2, selection=kj.Selection.ERROR,
 )  # fmt: skip
+_LEAN = dataclasses.replace(
+    _MIXED, k_scale_format=kj.KIVI2_LEAN.k_scale_format,
+    v_scale_format=kj.KIVI2_LEAN.v_scale_format, residual_format=kj.KIVI2_LEAN.residual_format,
+)  # fmt: skip
 CONFIGS = {
     "plain": kj.KiviConfig(k_bits=2, v_bits=4, group_size=4, residual_length=8),
     "mixed": _MIXED,
-    "lean": dataclasses.replace(
-        _MIXED, k_scale_format=kj.KIVI2_LEAN.k_scale_format,
-        v_scale_format=kj.KIVI2_LEAN.v_scale_format, residual_format=kj.KIVI2_LEAN.residual_format,
-    ),
-}  # fmt: skip
+    "lean": _LEAN,
+    "search": dataclasses.replace(_LEAN, k_range=kj.Range.SEARCH, v_range=kj.Range.SEARCH),
+}
 B, T, H, D = 2, 21, 2, 8  # T tokens: two flushes of R = 8 and a partial window
 
 
@@ -106,6 +108,12 @@ non_finite_cases = dict(
     n=7,
     seed=1,
 )
+@example(  # the range search, always: a NaN key, an inf value
+    kind=("search", "float32"),
+    plants=[(0, 1, 9, 0, 2, np.nan), (1, 0, 15, 1, 5, np.inf)],
+    n=14,
+    seed=4,
+)
 def test_a_non_finite_token_stays_in_its_group_and_prefill_still_equals_appends(
     kind, plants, n, seed
 ):
@@ -142,6 +150,7 @@ extreme_cases = dict(
     **extreme_cases,
 )
 @example(kind=("lean", "float32"), signs=[(0, 3, 2, -1.0), (0, 4, 2, 1.0), (1, 9, 5, 0.5)], seed=2)
+@example(kind=("search", "float32"), signs=[(0, 3, 2, -1.0), (1, 9, 5, 0.5)], seed=3)
 def test_finite_tokens_anywhere_in_the_dtype_range_dequantize_finite(kind, signs, seed):
     _check_extremes(*kind, signs, seed)
 

@@ -26,7 +26,16 @@ from kivi_jax import analysis
 from kivi_jax.analysis import Grouping
 from kivi_jax.cache import init_cache
 from kivi_jax.cache import prefill as cache_prefill
-from kivi_jax.config import KIVI2, KIVI2_LEAN, KIVI2_MIX, KIVI4, Format, KiviConfig, Selection
+from kivi_jax.config import (
+    KIVI2,
+    KIVI2_LEAN,
+    KIVI2_MIX,
+    KIVI4,
+    Format,
+    KiviConfig,
+    Range,
+    Selection,
+)
 from kivi_jax.eval import data, views
 from kivi_jax.models import llama
 
@@ -266,6 +275,9 @@ def _describe(cfg: KiviConfig | None) -> str:
     s = f"K{cfg.k_bits}/V{cfg.v_bits} bits, G={cfg.group_size}, R={cfg.residual_length}"
     for name in ("k_scale_format", "v_scale_format", "residual_format"):
         if getattr(cfg, name) is not Format.CACHE:
+            s += f", {name}={getattr(cfg, name).value}"
+    for name in ("k_range", "v_range"):
+        if getattr(cfg, name) is not Range.MINMAX:
             s += f", {name}={getattr(cfg, name).value}"
     if cfg.mixed:
         s += (
@@ -580,7 +592,12 @@ def mix_study(
 
 # Passkey runs these rows of `lean_candidates` only (a passkey cell per setting costs minutes
 # on 2 cores); KIVI-2's and kivi2-mix's rows are the ppl and passkey studies'.
-LEAN_PASSKEY = ("fp", "kivi2-lean", "kivi2-lean, R 160, no heavy")
+LEAN_PASSKEY = (
+    "fp",
+    "kivi2-lean",
+    "kivi2-lean, R 160, no heavy",
+    "kivi2-lean, R 160, no heavy, value search",
+)
 
 
 def lean_candidates() -> dict[str, KiviConfig | None]:
@@ -589,7 +606,10 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
     residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32),
     kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets), and kivi2-lean
     with its 16 heavy tokens' bits spent on a longer ring (R 160) or on 2 more fine key
-    channels (reallocations within 3.0 bits)."""
+    channels (reallocations within 3.0 bits); kivi2-lean, its R 160 row and KIVI-2 with the
+    values' ranges searched (Range.SEARCH: no bits), and kivi2-lean with the keys' too."""
+    search = dict(v_range=Range.SEARCH)
+    r160 = dict(residual_length=160, heavy_tokens=0)
     e4m3 = dict(k_scale_format=Format.E4M3, v_scale_format=Format.E4M3)
     int8 = dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8)
     e4m3_ring = dict(residual_format=Format.E4M3)
@@ -603,12 +623,18 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
         "kivi2-mix, 16 heavy": dataclasses.replace(KIVI2_MIX, heavy_tokens=16),
         "kivi2-lean, e4m3 residual": dataclasses.replace(KIVI2_LEAN, **e4m3_ring),
         "kivi2-lean, e4m3 residual and zeros": dataclasses.replace(KIVI2_LEAN, **e4m3_ring, **e4m3),
-        "kivi2-lean, R 160, no heavy": dataclasses.replace(
-            KIVI2_LEAN, residual_length=160, heavy_tokens=0
-        ),
+        "kivi2-lean, R 160, no heavy": dataclasses.replace(KIVI2_LEAN, **r160),
         "kivi2-lean, 18 fine, no heavy": dataclasses.replace(
             KIVI2_LEAN, fine_key_channels=18, heavy_tokens=0
         ),
+        "kivi2-lean, value search": dataclasses.replace(KIVI2_LEAN, **search),
+        "kivi2-lean, R 160, no heavy, value search": dataclasses.replace(
+            KIVI2_LEAN, **r160, **search
+        ),
+        "kivi2-lean, key and value search": dataclasses.replace(
+            KIVI2_LEAN, k_range=Range.SEARCH, **search
+        ),
+        "kivi2, value search": dataclasses.replace(KIVI2, **search),
     }
 
 

@@ -49,15 +49,21 @@ def _pad_tokens(x: jax.Array, multiple: int) -> jax.Array:
 
 
 def quantize_tokens(
-    x: jax.Array, bits: int, group_size: int, grouping: Grouping, dtype, params_dtype=None
+    x: jax.Array,
+    bits: int,
+    group_size: int,
+    grouping: Grouping,
+    dtype,
+    params_dtype=None,
+    trims=quantization.MINMAX,
 ):
     """x [B, S, H, D] quantize-dequantized in `dtype` (scales and zeros in `params_dtype`,
-    default `dtype`), grouped per token or per channel."""
+    default `dtype`; ranges chosen among `trims`), grouped per token or per channel."""
     x = x.astype(dtype)
     if grouping is Grouping.PER_TOKEN:
-        return fake_quantize(x, bits, group_size, axis=3, params_dtype=params_dtype)
+        return fake_quantize(x, bits, group_size, axis=3, params_dtype=params_dtype, trims=trims)
     padded = _pad_tokens(x, group_size)
-    return fake_quantize(padded, bits, group_size, axis=1, params_dtype=params_dtype)[
+    return fake_quantize(padded, bits, group_size, axis=1, params_dtype=params_dtype, trims=trims)[
         :, : x.shape[1]
     ]
 
@@ -69,8 +75,12 @@ def _entering_and_quantized(cfg: KiviConfig, dtype, k, v):
     g = cfg.group_size
     kp = cfg.k_scale_format.params(dtype, cfg.k_bits)
     vp = cfg.v_scale_format.params(dtype, cfg.v_bits)
-    kq = quantize_tokens(k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp)
-    vq = quantize_tokens(v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp)
+    kq = quantize_tokens(
+        k, cfg.k_bits, g, Grouping.PER_CHANNEL, dtype, params_dtype=kp, trims=cfg.k_range.trims
+    )
+    vq = quantize_tokens(
+        v, cfg.v_bits, g, Grouping.PER_TOKEN, dtype, params_dtype=vp, trims=cfg.v_range.trims
+    )
     return k, v, kq, vq
 
 
@@ -164,7 +174,9 @@ def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
         )
     kq = kq[:, :, :s]  # [B, H, S, D]
     v_params = cfg.v_scale_format.params(dtype, cfg.v_bits)
-    v_codes, v_scale, v_zero = quantization.quantize(v, cfg.v_bits, g, axis=3, dtype=v_params)
+    v_codes, v_scale, v_zero = quantization.quantize(
+        v, cfg.v_bits, g, axis=3, dtype=v_params, trims=cfg.v_range.trims
+    )
     vq = quantization.dequantize(v_codes, v_scale, v_zero, g, 3, v_params).swapaxes(1, 2)
     kf, vf = (x.astype(jnp.float32).swapaxes(1, 2) for x in (k, v))  # [B, H, S, D]
 
