@@ -596,7 +596,8 @@ LEAN_PASSKEY = (
     "fp",
     "kivi2-lean",
     "kivi2-lean, R 160, no heavy",
-    "kivi2-lean, R 160, no heavy, value search",
+    "kivi2-lean, key search",
+    "kivi2-lean, R 160, no heavy, key search",
 )
 
 
@@ -606,9 +607,9 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
     residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32),
     kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets), and kivi2-lean
     with its 16 heavy tokens' bits spent on a longer ring (R 160) or on 2 more fine key
-    channels (reallocations within 3.0 bits); kivi2-lean, its R 160 row and KIVI-2 with the
-    values' ranges searched (Range.SEARCH: no bits), and kivi2-lean with the keys' too."""
-    search = dict(v_range=Range.SEARCH)
+    channels (reallocations within 3.0 bits); kivi2-lean and its R 160 row with the keys'
+    ranges searched (Range.SEARCH: no bits), the R 160 row and KIVI-2 with the values'."""
+    k_search, v_search = dict(k_range=Range.SEARCH), dict(v_range=Range.SEARCH)
     r160 = dict(residual_length=160, heavy_tokens=0)
     e4m3 = dict(k_scale_format=Format.E4M3, v_scale_format=Format.E4M3)
     int8 = dict(k_scale_format=Format.E4M3_INT8, v_scale_format=Format.E4M3_INT8)
@@ -627,14 +628,14 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
         "kivi2-lean, 18 fine, no heavy": dataclasses.replace(
             KIVI2_LEAN, fine_key_channels=18, heavy_tokens=0
         ),
-        "kivi2-lean, value search": dataclasses.replace(KIVI2_LEAN, **search),
+        "kivi2-lean, key search": dataclasses.replace(KIVI2_LEAN, **k_search),
+        "kivi2-lean, R 160, no heavy, key search": dataclasses.replace(
+            KIVI2_LEAN, **r160, **k_search
+        ),
         "kivi2-lean, R 160, no heavy, value search": dataclasses.replace(
-            KIVI2_LEAN, **r160, **search
+            KIVI2_LEAN, **r160, **v_search
         ),
-        "kivi2-lean, key and value search": dataclasses.replace(
-            KIVI2_LEAN, k_range=Range.SEARCH, **search
-        ),
-        "kivi2, value search": dataclasses.replace(KIVI2, **search),
+        "kivi2, value search": dataclasses.replace(KIVI2, **v_search),
     }
 
 
