@@ -41,6 +41,7 @@ import numpy as np
 
 from kivi_jax import cache as cache_lib
 from kivi_jax.cache import Cache, FullCache, KiviCache, init_cache
+from kivi_jax.config import KiviConfig
 
 NO_PAGE = np.iinfo(np.int32).max  # a table entry without a page (read as zeros, writes dropped)
 
@@ -106,6 +107,16 @@ def check_page_size(cache: Cache, page_size: int) -> None:
             f"page_size={page_size} must be a multiple of the residual length "
             f"R={cache.config.residual_length} (keys flush R tokens at a time)"
         )
+
+
+DEFAULT_PAGE_SIZE = 128  # tokens, rounded up to a multiple of a KIVI state's R
+
+
+def default_page_size(config: KiviConfig | None) -> int:
+    """DEFAULT_PAGE_SIZE rounded up to a multiple of `config`'s residual length R (a page holds
+    whole flushes: check_page_size); DEFAULT_PAGE_SIZE for a full-precision state (None)."""
+    r = 1 if config is None else config.residual_length
+    return -(-DEFAULT_PAGE_SIZE // r) * r
 
 
 def max_pages(max_len: int, page_size: int) -> int:

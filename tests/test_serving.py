@@ -570,6 +570,15 @@ def test_slots_none_takes_as_many_slots_as_fit_the_budget(params):
         more.warmup()  # the programs' temporaries counted
 
 
+def test_the_default_page_holds_whole_flushes_of_any_ring(params):
+    """page_size None: 128 tokens rounded up to a multiple of the ring's R (a KIVI page holds
+    whole flushes), 128 for a full-precision state."""
+    ring = lambda r: kivi_jax.KiviConfig(residual_length=r)
+    sizes = [engine(params, kv, max_len=256)._layout.page_size
+             for kv in ("full", "kivi2", ring(160), ring(64))]  # fmt: skip
+    assert sizes == [128, 128, 160, 128]
+
+
 def test_a_light_load_decodes_the_lowest_slots_only(params, monkeypatch):
     """From 32 slots the engine also compiles decode programs for a quarter of them; a request
     takes the lowest free slot, so while every live slot lies below 8 a decode call runs 8

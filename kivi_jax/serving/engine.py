@@ -179,6 +179,8 @@ class Engine:
         max_len tokens of pages (what `slots` slots reserved at max_len take, max_len
         rounded up to a page).
       page_size: tokens a page holds: a multiple of a KIVI state's residual length R.
+        Default: 128 rounded up to a multiple of R (paged.default_page_size: 160 for
+        kivi2-lean).
       prefix_sharing: a prompt that starts with the sealed pages of an earlier prompt (its
         tokens R past their end; the pages of a request that ended are kept until needed)
         takes them by reference and prefills only the rest, which then attends to the
@@ -238,7 +240,7 @@ class Engine:
         slots: int | None = 8,
         max_len: int = 2048,
         kv_bytes: int | None = None,
-        page_size: int = 128,
+        page_size: int | None = None,
         prefix_sharing: bool = False,
         prefill_chunk: int = 256,
         max_queue: int = 64,
@@ -256,10 +258,10 @@ class Engine:
             "memory_budget": memory_budget,
             "kv_bytes": kv_bytes,
             "prefill_budget": prefill_budget,
+            "page_size": page_size,
         }
         for name, value in [("max_len", max_len), ("prefill_chunk", prefill_chunk),
                             ("max_queue", max_queue), ("decode_steps", decode_steps),
-                            ("page_size", page_size),
                             *((k, v) for k, v in optional.items() if v is not None)]:  # fmt: skip
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -304,6 +306,8 @@ class Engine:
             functools.partial(programs.empty_row, kv=self.kv, max_len=self.max_len), params
         )
         d = self._rows_per_device
+        if page_size is None:
+            page_size = paged.default_page_size(self.kv)
         paged.check_page_size(row[0], page_size)
         self._layout = PageLayout(int(page_size), paged.token_axes(row[0]))
         M = self._max_pages = paged.max_pages(self.max_len, self._layout.page_size)

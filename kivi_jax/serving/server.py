@@ -683,9 +683,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--page-size",
         type=int,
-        default=128,
         metavar="P",
-        help="tokens a page of the KV pool holds, a multiple of R (default: 128)",
+        help="tokens a page of the KV pool holds, a multiple of R (default: 128 rounded up to "
+        "a multiple of R)",
     )
     p.add_argument(
         "--prefix-sharing",
