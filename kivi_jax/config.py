@@ -244,14 +244,17 @@ KIVI2_MIX = KiviConfig(
     heavy_tokens=32,
     selection=Selection.ERROR,
 )
-# KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value"):
-# kivi2-mix's parts with e4m3 scales and int8 zero points rounded to nearest (E4M3_INT8), an
-# int8 residual with a power-of-two scale per token (rings, sinks and heavy tokens: INT8) and
-# 16 heavy tokens.
+# KIVI-2 at <= 3 bits per held value (issue 61; docs/accuracy.md, "Fewer bits per value" and
+# "A better 2-bit quantizer"): kivi2-mix's sinks, sliding keys and fine key channels with e4m3
+# scales and int8 zero points rounded to nearest (E4M3_INT8), an int8 residual with a
+# power-of-two scale per token (rings and sinks: INT8), a ring of 160 tokens in place of heavy
+# tokens, and each key group's range searched (Range.SEARCH).
 KIVI2_LEAN = dataclasses.replace(
     KIVI2_MIX,
-    heavy_tokens=16,
+    residual_length=160,
+    heavy_tokens=0,
     k_scale_format=Format.E4M3_INT8,
     v_scale_format=Format.E4M3_INT8,
     residual_format=Format.INT8,
+    k_range=Range.SEARCH,
 )

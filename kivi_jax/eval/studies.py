@@ -601,8 +601,16 @@ LEAN_PASSKEY = (
 )
 
 
+# kivi2-lean before its ring of 160 and key search (R 128, 16 heavy tokens, min/max): the rows named
+# "kivi2-lean, ..." are this with one change each.
+LEAN_R128 = dataclasses.replace(
+    KIVI2_LEAN, residual_length=128, heavy_tokens=16, k_range=Range.MINMAX
+)
+
+
 def lean_candidates() -> dict[str, KiviConfig | None]:
-    """The rows of the fewer-bits study (issue 61): fp, kivi2-lean, KIVI-2 with each storage
+    """The rows of the fewer-bits study (issue 61): fp, kivi2-lean (and LEAN_R128, the preset
+    before the range search), KIVI-2 with each storage
     option alone (float8 scales and zeros, e4m3 scales with int8 zeros, an e4m3 or int8
     residual), kivi2-mix with its side storage trimmed (16 heavy tokens, not 32),
     kivi2-lean with an e4m3 residual (and e4m3 zeros: the earlier presets), and kivi2-lean
@@ -617,23 +625,24 @@ def lean_candidates() -> dict[str, KiviConfig | None]:
     return {
         "fp": None,
         "kivi2-lean": KIVI2_LEAN,
+        "kivi2-lean, R 128, 16 heavy": LEAN_R128,
         "kivi2 + e4m3 scales": dataclasses.replace(KIVI2, **e4m3),
         "kivi2 + e4m3-int8 scales": dataclasses.replace(KIVI2, **int8),
         "kivi2 + e4m3 residual": dataclasses.replace(KIVI2, **e4m3_ring),
         "kivi2 + int8 residual": dataclasses.replace(KIVI2, residual_format=Format.INT8),
         "kivi2-mix, 16 heavy": dataclasses.replace(KIVI2_MIX, heavy_tokens=16),
-        "kivi2-lean, e4m3 residual": dataclasses.replace(KIVI2_LEAN, **e4m3_ring),
-        "kivi2-lean, e4m3 residual and zeros": dataclasses.replace(KIVI2_LEAN, **e4m3_ring, **e4m3),
-        "kivi2-lean, R 160, no heavy": dataclasses.replace(KIVI2_LEAN, **r160),
+        "kivi2-lean, e4m3 residual": dataclasses.replace(LEAN_R128, **e4m3_ring),
+        "kivi2-lean, e4m3 residual and zeros": dataclasses.replace(LEAN_R128, **e4m3_ring, **e4m3),
+        "kivi2-lean, R 160, no heavy": dataclasses.replace(LEAN_R128, **r160),
         "kivi2-lean, 18 fine, no heavy": dataclasses.replace(
-            KIVI2_LEAN, fine_key_channels=18, heavy_tokens=0
+            LEAN_R128, fine_key_channels=18, heavy_tokens=0
         ),
-        "kivi2-lean, key search": dataclasses.replace(KIVI2_LEAN, **k_search),
+        "kivi2-lean, key search": dataclasses.replace(LEAN_R128, **k_search),
         "kivi2-lean, R 160, no heavy, key search": dataclasses.replace(
-            KIVI2_LEAN, **r160, **k_search
+            LEAN_R128, **r160, **k_search
         ),
         "kivi2-lean, R 160, no heavy, value search": dataclasses.replace(
-            KIVI2_LEAN, **r160, **v_search
+            LEAN_R128, **r160, **v_search
         ),
         "kivi2, value search": dataclasses.replace(KIVI2, **v_search),
     }
