@@ -769,9 +769,6 @@ def _ring_step(ring, new, windows, old, keep):
     return outs, _scatter(ring, _drop_unless(keep, slot), values, axis=2)
 
 
-_ordered_sum = quantization.ordered_sum  # pallas_kernels/append/gpu.py sums as it does
-
-
 def _put_channels(x: jax.Array, channels: jax.Array, d: int) -> jax.Array:
     """[..., F] values (bool or unsigned) at distinct channel indices [..., F] -> [..., d], zero
     elsewhere; by comparison with every channel (elementwise, no scatter)."""
@@ -1087,7 +1084,8 @@ def _extend_kivi(
             at = jnp.clip(pos, 0, cache.k_codes.shape[2] * kpb - 1)
             k_hat = _keys_at(cfg, arrays, at, dtype)
             v_hat = quantization.dequantize(codes, v_scale, v_zero, g, axis=3, params=v_params)
-            score = _ordered_sum((k_leave - k_hat) ** 2) + _ordered_sum((v_leave - v_hat) ** 2)
+            error = lambda x, y: quantization.ordered_sum((x - y) ** 2)  # the kernel's order too
+            score = error(k_leave, k_hat) + error(v_leave, v_hat)
         h = k.shape[1]
         merge = _merge_one_heavy if seq == 1 else _merge_heavy
         merged = merge(

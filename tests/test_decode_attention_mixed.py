@@ -32,6 +32,7 @@ from kivi_jax.pallas_kernels.decode_attention import decode_attention_pallas, gp
 from kivi_jax.pallas_kernels.decode_attention.gpu import KernelTuning
 
 import kivi_jax as kj
+from kivi_jax.eval.studies import LEAN_R128
 
 CC = {"gqa_scores": "cuda_cores", "gqa_values": "cuda_cores"}  # the CUDA-core GQA kernels
 LENGTHS = {"prefilled": ([0, 3, 69, 130, 301], 0), "streamed": ([1, 60, 126, 250], 3)}
@@ -191,8 +192,7 @@ def test_kivi2_lean_matches_reference_interpret(rng):
     a power of two), no heavy tokens, the keys' ranges searched; issue 61) through the
     kernels, and the preset before the range search (R 64 here, 16 heavy tokens)."""
     _check(rng, kj.KIVI2_LEAN, D=64, n_rep=3, dtype=BF, lengths="streamed")
-    before = dataclasses.replace(kj.KIVI2_LEAN, residual_length=64, heavy_tokens=16,
-                                 k_range=kj.Range.MINMAX)  # fmt: skip
+    before = dataclasses.replace(LEAN_R128, residual_length=64)
     _check(rng, before, D=64, n_rep=3, dtype=BF, lengths="streamed")
 
 

@@ -197,7 +197,9 @@ def _mixed_streaming_attention(cfg: KiviConfig, dtype, q, k, v, lengths):
             p_win = jnp.where(window, p_win, 0.0).sum(axis=2)  # [B, H, i, t]
             heavy_score = jnp.sum(jnp.where(window & (i < t + r), p_win, 0.0), axis=2)
         else:
-            heavy_score = kc._ordered_sum((kf - kq) ** 2) + kc._ordered_sum((vf - vq) ** 2)
+            heavy_score = quantization.ordered_sum((kf - kq) ** 2) + quantization.ordered_sum(
+                (vf - vq) ** 2
+            )
         members = _top_n_members(heavy_score, r, cfg.heavy_tokens, cfg.sinks)
     held = i + 1
     key_q_end = jnp.maximum(held - r, 0) if cfg.sliding_keys else held - held % r

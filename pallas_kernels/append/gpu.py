@@ -180,8 +180,8 @@ def _append_kernel(
 
 
 def _ordered_sum(x):
-    """Sum of x [n] (n a power of two) as `kivi_jax.cache._ordered_sum` takes it: adjacent pairs
-    added, level by level (the same rounding as the XLA append's score). Explicit adds of the
+    """Sum of x [n] (n a power of two) as `kivi_jax.quantization.ordered_sum` takes it: adjacent
+    pairs added, level by level (the same rounding as the XLA append's score). Explicit adds of the
     pairs' halves (a split, in Triton): XLA would merge a chain of reductions into one and
     reorder it."""
     while x.shape[0] > 1:
